@@ -1,6 +1,26 @@
-"""atlas_tracking: exact MoE atlas receipts for the training stacks MoE teams already use."""
+"""atlas_tracking: exact MoE atlas receipts for the training stacks MoE teams already use.
 
+>>> from atlas_tracking import AtlasConfig, Canary, measure
+"""
+
+from atlas_tracking.adapters import NoRoutedLayersError, RoutedLayer, find_routed_layers, register_family
+from atlas_tracking.canary import Canary, CanaryError
 from atlas_tracking.config import AtlasConfig, ConfigError
+from atlas_tracking.gate_report import ArtifactError, GateReport
+from atlas_tracking.measure import RouterLogitsError, measure
 
-__all__ = ["AtlasConfig", "ConfigError"]
+__all__ = [
+    "ArtifactError",
+    "AtlasConfig",
+    "Canary",
+    "CanaryError",
+    "ConfigError",
+    "GateReport",
+    "NoRoutedLayersError",
+    "RoutedLayer",
+    "RouterLogitsError",
+    "find_routed_layers",
+    "measure",
+    "register_family",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,182 @@
+"""The RoutedLayer protocol and the registry of model families, keyed by module class name.
+
+A family adapter explains one kind of routed MoE block to the engine: where its pre-norm,
+router and experts are, how to turn the router's output into exact selection scores, the
+full routing distribution, the active set and weights, and how to evaluate any expert
+unweighted. Adding a family is one small entry (``register_family``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class NoRoutedLayersError(ValueError):
+    """The model holds no module that any registered family adapter recognises."""
+
+
+@dataclass
+class Routing:
+    """The router's decision for N tokens, in fp32 (RECEIPTS.md, Notation)."""
+
+    scores: torch.Tensor
+    """``[N, E]`` selection scores that top-k ranks; ``-inf`` marks ineligible experts."""
+    probs: torch.Tensor
+    """``[N, E]`` full routing distribution p_t."""
+    active: torch.Tensor
+    """``[N, k]`` active set R_t the model uses (int64)."""
+    weights: torch.Tensor
+    """``[N, k]`` the model's own combine weights for R_t (not renormalised; scaling included)."""
+    rho: torch.Tensor
+    """``[N, k]`` routing weights renormalised to sum to 1 over R_t."""
+
+
+class RoutedLayer:
+    """One routed MoE layer of a model, as the engine sees it.
+
+    Subclasses implement ``routing`` (router output -> :class:`Routing`), ``expert_outputs``
+    and, where present, ``shared_output``. The hook points are three modules: ``norm``
+    (input x, output g), ``router`` (its forward output is the model's own routing) and
+    ``block`` (its output is the layer's MoE update).
+    """
+
+    family: str = "generic"
+    router_kind: str = "softmax"
+    """'softmax' (logits ranked), 'sigmoid' (sigmoid + bias ranked) or 'topk_softmax'."""
+    deterministic_routing: bool = True
+
+    def __init__(self, name: str, index: int, block: nn.Module, norm: nn.Module, router: nn.Module, experts: nn.Module):
+        self.name = name
+        self.index = index
+        self.block = block
+        self.norm = norm
+        self.router = router
+        self.experts = experts
+        self.ordinal = -1
+
+    # --- shape -----------------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def top_k(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.gamma().shape[0])
+
+    @property
+    def norm_eps(self) -> float:
+        for attr in ("variance_epsilon", "eps", "epsilon"):
+            if hasattr(self.norm, attr):
+                return float(getattr(self.norm, attr))
+        raise AttributeError(f"cannot find the epsilon of norm module {type(self.norm).__name__} in {self.name}")
+
+    def gamma(self) -> torch.Tensor:
+        """The norm's gain Gamma (fp32), so that ``g = Gamma * z``."""
+        return self.norm.weight.float()
+
+    # --- routing ---------------------------------------------------------------------------
+    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
+        """Turn the router's own forward output for gate inputs ``g [N, d]`` into a :class:`Routing`."""
+        raise NotImplementedError
+
+    def route(self, g: torch.Tensor) -> Routing:
+        """Route arbitrary gate inputs through this layer's router (its own forward, no hooks)."""
+        return self.routing(self.router.forward(g.reshape(-1, g.shape[-1])), g)
+
+    # --- experts ---------------------------------------------------------------------------
+    def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``.
+
+        Uses the model's own experts module with one (token, expert) pair per row and unit
+        weight, so the arithmetic is the model's own (whatever experts implementation it uses).
+        """
+        n, m = experts.shape
+        rows = g.reshape(n, 1, -1).expand(n, m, g.shape[-1]).reshape(n * m, -1)
+        idx = experts.reshape(-1, 1)
+        ones = torch.ones(idx.shape, dtype=g.dtype, device=g.device)
+        out = self.experts(rows, idx, ones)
+        return out.view(n, m, -1)
+
+    def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
+        """Output of always-on shared experts at ``g [N, d]`` (gated as the model gates it), or None."""
+        return None
+
+    def block_output(self, output: Any) -> torch.Tensor:
+        """The layer's MoE update from the block's forward output."""
+        return output[0] if isinstance(output, tuple) else output
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "index": self.index,
+            "family": self.family,
+            "router": self.router_kind,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "hidden_size": self.hidden_size,
+        }
+
+
+Factory = Callable[[str, int, nn.Module, nn.Module], "RoutedLayer | None"]
+"""(block name, decoder layer index, block module, parent module) -> RoutedLayer or None."""
+
+_REGISTRY: dict[str, tuple[str, Factory]] = {}
+
+
+def register_family(block_class_name: str, family: str, factory: Factory) -> None:
+    """Register an adapter factory for MoE blocks whose class is named ``block_class_name``."""
+    _REGISTRY[block_class_name] = (family, factory)
+
+
+def registered_families() -> dict[str, str]:
+    """Block class name -> family name, for every registered adapter."""
+    _load_builtin_families()
+    return {cls: fam for cls, (fam, _) in _REGISTRY.items()}
+
+
+def _load_builtin_families() -> None:
+    from atlas_tracking.adapters import hf  # noqa: F401  (registers on import)
+
+
+def _layer_index(name: str) -> int:
+    for part in reversed(name.split(".")):
+        if part.isdigit():
+            return int(part)
+    return -1
+
+
+def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if type(module).__name__ in _REGISTRY:
+            parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+            yield name, module, modules.get(parent_name, model)
+
+
+def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
+    """Every routed MoE layer of ``model`` in forward order; a clear error if there is none."""
+    _load_builtin_families()
+    layers: list[RoutedLayer] = []
+    for name, block, parent in _iter_blocks(model):
+        _, factory = _REGISTRY[type(block).__name__]
+        layer = factory(name, _layer_index(name), block, parent)
+        if layer is not None:
+            layers.append(layer)
+    if not layers:
+        searched = ", ".join(sorted(_REGISTRY))
+        raise NoRoutedLayersError(
+            f"no routed MoE layer found in {type(model).__name__}: searched for modules of classes "
+            f"[{searched}]; register an adapter with atlas_tracking.adapters.register_family"
+        )
+    for i, layer in enumerate(layers):
+        layer.ordinal = i
+    return layers

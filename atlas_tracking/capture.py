@@ -1,0 +1,253 @@
+"""Capture hooks: receipts computed inside the forward, per routed layer, on the model's device.
+
+For each routed layer three forward hooks cooperate: the pre-norm's (x and g), the router's
+(the model's own routing) and the MoE block's (its output). The block hook computes every
+per-token quantity for the micro-batch, reduces it to per-window sums and counts, and drops
+the per-token tensors before the next layer runs. Nothing is moved to the host until the
+whole canary has been processed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.config import ReceiptsConfig
+from atlas_tracking.receipts.consistency import set_overlap
+from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
+from atlas_tracking.receipts.occupancy import count_cells, window_loads
+from atlas_tracking.receipts.state1 import boundary_set, set_margin
+from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, swap_jump
+
+_SUM_COUNT = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior", "d_random_boundary")
+_COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
+
+
+HASH_BITS = 24
+
+
+def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Deterministic integers uniform in ``[0, 2**24)`` from integer keys, the same on every device
+    and for every sharding of the canary (a 32-bit multiply-xorshift hash in int64, no overflow).
+    """
+    h = (window * 73856093 + position * 19349663 + layer * 83492791 + (seed & 0xFFFF) * 2654435) & 0xFFFFFFFF
+    for mult in (0x7FEB352D, 0x46B5D2A9):
+        h = h ^ (h >> 15)
+        h = (h * mult) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return h >> (32 - HASH_BITS)
+
+
+def random_competitor(
+    scores: torch.Tensor, active: torch.Tensor, e_k1: torch.Tensor, draw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random-e2 kill-shot: a uniform draw among eligible experts outside R_t other than e_k1.
+
+    ``draw`` holds integers uniform in ``[0, 2**HASH_BITS)``. Returns the expert and whether one existed.
+    """
+    cand = torch.isfinite(scores)
+    cand = cand.scatter(1, active, False).scatter(1, e_k1.view(-1, 1), False)
+    n_cand = cand.sum(dim=1)
+    j = (draw * n_cand) >> HASH_BITS
+    pick = (cand.cumsum(dim=1) > j.view(-1, 1)).int().argmax(dim=1)
+    return pick, n_cand > 0
+
+
+@dataclass
+class LayerAccumulator:
+    """Per-window sums and counts of one layer, on the device, for the whole canary."""
+
+    n_windows: int
+    window: int
+    n_experts: int
+    deltas: list[float]
+    device: torch.device
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    cells: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        w, e, d = self.n_windows, self.n_experts, self.device
+        self.arrays["load"] = torch.zeros(w, e, dtype=torch.int64, device=d)
+        self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
+        for name in _SUM_COUNT:
+            self.arrays[name + ".sum"] = torch.zeros(w, dtype=torch.float32, device=d)
+            self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
+        for i in range(len(self.deltas)):
+            self.arrays[f"bm{i}.sum"] = torch.zeros(w, dtype=torch.int64, device=d)
+        for name in _COUNTERS:
+            self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
+        self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+        self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+
+    def to_host(self) -> dict[str, Any]:
+        """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
+        host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
+        merged: dict[tuple[int, ...], int] = {}
+        for cells, counts in self.cells:
+            for row, c in zip(cells.cpu().tolist(), counts.cpu().tolist()):
+                merged[tuple(row)] = merged.get(tuple(row), 0) + int(c)
+        host["cells"] = merged
+        return host
+
+
+class LayerCapture:
+    """The three hooks of one routed layer and the receipts they compute."""
+
+    def __init__(self, layer: RoutedLayer, acc: LayerAccumulator, config: ReceiptsConfig):
+        self.layer = layer
+        self.acc = acc
+        self.cfg = config
+        self.windows: tuple[int, int] = (0, 0)
+        self._x: torch.Tensor | None = None
+        self._g: torch.Tensor | None = None
+        self._router_out: Any = None
+        self._handles: list[Any] = []
+        self.calls = 0
+
+    # --- hook plumbing -------------------------------------------------------------------------
+    def attach(self) -> None:
+        self._handles = [
+            self.layer.norm.register_forward_hook(self._on_norm),
+            self.layer.router.register_forward_hook(self._on_router),
+            self.layer.block.register_forward_hook(self._on_block),
+        ]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._x = self._g = self._router_out = None
+
+    def _on_norm(self, module, inputs, output) -> None:
+        self._x, self._g = inputs[0], output
+
+    def _on_router(self, module, inputs, output) -> None:
+        self._router_out = output
+
+    def _on_block(self, module, inputs, output) -> None:
+        if self._x is None or self._router_out is None:
+            raise RuntimeError(f"{self.layer.name}: the norm or router hook did not fire before the MoE block")
+        try:
+            self.compute(self._x, self._g, self._router_out, self.layer.block_output(output))
+        finally:
+            self._x = self._g = self._router_out = None
+        self.calls += 1
+
+    # --- receipts ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor) -> None:
+        """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
+        layer, cfg, acc = self.layer, self.cfg, self.acc
+        w0, w1 = self.windows
+        bw, seq = w1 - w0, acc.window
+        d = x.shape[-1]
+        x2, g2, out2 = x.reshape(-1, d), g.reshape(-1, d), out.reshape(-1, d)
+        n = x2.shape[0]
+        k = layer.top_k
+        win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
+
+        routing = layer.routing(router_out, g2)
+        logits = router_out[0] if isinstance(router_out, tuple) else router_out
+        nonfinite = ~torch.isfinite(logits.float()).all(dim=-1)
+
+        zh = angular(rms_normalize(x2, layer.norm_eps))
+        sm = set_margin(routing.scores, routing.active)
+        valid = sm.valid
+        margins = sm.margin.view(bw, seq)
+        in_b = boundary_set(margins, valid.view(bw, seq), cfg.boundary_q).view(-1)
+        interior = valid & ~in_b
+
+        positions = torch.arange(seq, device=x2.device).repeat(bw)
+        uni = hash_uniform(cfg.seed, layer.ordinal, win_local + w0, positions)
+        e_rand, has_rand = random_competitor(routing.scores, routing.active, sm.e_k1, uni)
+        rand_ok = in_b & has_rand
+
+        # fields of the active set, the adjacent competitor and the random competitor, chunked
+        experts = torch.cat([routing.active, sm.e_k1.view(-1, 1), e_rand.view(-1, 1)], dim=1)
+        s_active = routing.scores.gather(1, routing.active)
+        pos_k = s_active.argmin(dim=1)
+        c2_vals = torch.empty(n, device=x2.device)
+        c2_ok = torch.empty(n, dtype=torch.bool, device=x2.device)
+        d_adj = torch.empty(n, device=x2.device)
+        d_rand = torch.empty(n, device=x2.device)
+        jump = torch.empty(n, device=x2.device)
+        for a in range(0, n, cfg.token_chunk):
+            b = min(a + cfg.token_chunk, n)
+            u = layer.expert_outputs(g2[a:b], experts[a:b]).float()
+            v = tangent_project(u, zh[a:b])
+            v_act, v_k1, v_rand = v[:, :k], v[:, k], v[:, k + 1]
+            c2_vals[a:b], c2_ok[a:b] = c2_per_token(v_act, routing.rho[a:b], s_active[a:b], cfg.beta_adj, cfg.eps_kappa)
+            v_k = v_act.gather(1, pos_k[a:b].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+            d_adj[a:b] = redundancy_distance(v_k, v_k1, cfg.eps_d)
+            d_rand[a:b] = redundancy_distance(v_k, v_rand, cfg.eps_d)
+            jump[a:b] = swap_jump(v_act, routing.rho[a:b], pos_k[a:b], v_k1)
+            del u, v
+
+        # routing self-consistency: re-route the post-update state through the same norm and router
+        y_post = layer.norm.forward(x2 + out2)
+        ov = set_overlap(routing.active, layer.route(y_post).active)
+
+        rows = slice(w0, w1)
+        arr = acc.arrays
+
+        def add(name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+            arr[name + ".sum"][rows] += torch.where(mask, values.float(), 0.0).view(bw, seq).sum(1)
+            arr[name + ".count"][rows] += mask.view(bw, seq).sum(1)
+
+        all_tok = torch.ones(n, dtype=torch.bool, device=x2.device)
+        add("margin_mean", sm.margin, valid)
+        add("c2", c2_vals, c2_ok)
+        add("ov_cf", ov, all_tok)
+        add("d_adjacent_boundary", d_adj, in_b)
+        add("d_adjacent_interior", d_adj, interior)
+        add("d_random_boundary", d_rand, rand_ok)
+        for i, delta in enumerate(acc.deltas):
+            arr[f"bm{i}.sum"][rows] += ((sm.margin <= delta) & valid).view(bw, seq).sum(1)
+        arr["excluded_tokens"][rows] += (~valid).view(bw, seq).sum(1)
+        arr["rank_violations"][rows] += ((sm.margin < 0) & valid).view(bw, seq).sum(1)
+        arr["nonfinite_logits"][rows] += nonfinite.view(bw, seq).sum(1)
+        arr["jump"][rows] = torch.where(in_b, jump, float("nan")).view(bw, seq)
+        arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
+        arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
+        arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
+        acc.cells.append(count_cells(routing.active))
+
+
+def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
+    """Merge one layer's host arrays from several processes, each owning disjoint windows."""
+    merged: dict[str, Any] = {}
+    for key in hosts[0]:
+        if key == "cells":
+            cells: dict[tuple[int, ...], int] = {}
+            for h in hosts:
+                for cell, c in h["cells"].items():
+                    cells[cell] = cells.get(cell, 0) + c
+            merged["cells"] = cells
+            continue
+        out = hosts[0][key].copy()
+        for h, own in zip(hosts, owned):
+            out[own] = h[key][own]
+        merged[key] = out
+    return merged
+
+
+def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]:
+    """Shape one layer's merged host arrays as the artifact's per-window dict."""
+    pw: dict[str, Any] = {
+        "load": host["load"],
+        "p_mass_total": host["p_mass"].sum(axis=0),
+        "boundary_mass": {
+            f"{delta:g}": {"sum": host[f"bm{i}.sum"], "count": host["margin_mean.count"]}
+            for i, delta in enumerate(deltas)
+        },
+        "transition_jump": [row[np.isfinite(row)] for row in host["jump"]],
+    }
+    for name in _SUM_COUNT:
+        pw[name] = {"sum": host[name + ".sum"], "count": host[name + ".count"]}
+    for name in _COUNTERS:
+        pw[name] = host[name]
+    return pw

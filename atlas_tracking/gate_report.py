@@ -1,0 +1,253 @@
+"""GateReport: the receipts of one gate, its JSON artifact, and the verifier that recomputes it.
+
+The artifact holds a ``schema_version``, the canary and model fingerprints, a ``layers`` list
+(one entry per routed layer with its receipts under the names RECEIPTS.md uses), a
+``summary``, and the per-window arrays from which ``verify`` re-derives every value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from atlas_tracking.receipts.stats import bootstrap_indices, ratio, ratio_ci
+from atlas_tracking.receipts.windows import layer_receipts, summary
+
+SCHEMA_VERSION = 1
+ARTIFACT_KIND = "atlas-receipts"
+
+
+class ArtifactError(ValueError):
+    """A receipts artifact is unreadable, truncated, or of an unknown schema."""
+
+
+def protected_ordinals(n_layers: int, protected: str | list[int]) -> list[int]:
+    """Routed-layer ordinals to protect: 'mid' = the middle half, 'all', or an explicit list.
+
+    >>> protected_ordinals(8, "mid"), protected_ordinals(3, "mid"), protected_ordinals(3, [0, 2])
+    ([2, 3, 4, 5], [0, 1], [0, 2])
+    """
+    if protected == "all":
+        return list(range(n_layers))
+    if protected == "mid":
+        start = n_layers // 4
+        return list(range(start, start + max(1, math.ceil(n_layers / 2))))
+    bad = [i for i in protected if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"protected layer ordinals {bad} are outside the {n_layers} routed layers")
+    return sorted(set(protected))
+
+
+def jsonable(obj: Any) -> Any:
+    """Numpy arrays and scalars to lists and Python numbers; non-finite floats to None."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if math.isfinite(f) else None
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def model_fingerprint(model_class: str, layers: list[dict[str, Any]]) -> str:
+    """sha256 of the model class and each routed layer's (name, family, E, k, d)."""
+    keys = [(lay["name"], lay["family"], lay["num_experts"], lay["top_k"], lay["hidden_size"]) for lay in layers]
+    return hashlib.sha256(json.dumps([model_class, keys]).encode()).hexdigest()
+
+
+@dataclass
+class GateReport:
+    """Receipts of one gate: per-layer values and CIs, a cross-layer summary, and per-window arrays."""
+
+    step: int | None
+    canary: dict[str, Any]
+    model: dict[str, Any]
+    config: dict[str, Any]
+    layers: list[dict[str, Any]]
+    summary: dict[str, Any]
+    per_window: dict[str, Any]
+    drift: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # --- views --------------------------------------------------------------------------------
+    def layer(self, name: str) -> dict[str, Any]:
+        for layer in self.layers:
+            if layer["name"] == name:
+                return layer
+        raise KeyError(f"no routed layer named {name!r} in this report")
+
+    def values(self, receipt: str) -> list[Any]:
+        """One receipt across layers, in layer order."""
+        return [layer["receipts"].get(receipt) for layer in self.layers]
+
+    # --- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "kind": ARTIFACT_KIND,
+                "step": self.step,
+                "canary": self.canary,
+                "model": self.model,
+                "config": self.config,
+                "summary": self.summary,
+                "layers": self.layers,
+                "drift": self.drift,
+                "per_window": self.per_window,
+                **({"extra": self.extra} if self.extra else {}),
+            }
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON artifact atomically (a temporary file, then a rename)."""
+        return write_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateReport:
+        check_artifact(data)
+        return cls(
+            step=data.get("step"),
+            canary=data["canary"],
+            model=data["model"],
+            config=data["config"],
+            layers=data["layers"],
+            summary=data["summary"],
+            per_window=data["per_window"],
+            drift=data.get("drift"),
+            extra=data.get("extra", {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> GateReport:
+        return cls.from_dict(read_artifact(path))
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def read_artifact(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read receipts artifact {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"receipts artifact {path} is not valid JSON (truncated or corrupted?): {exc}") from None
+    check_artifact(data, str(path))
+    return data
+
+
+def check_artifact(data: Any, where: str = "receipts artifact") -> None:
+    if not isinstance(data, dict) or data.get("kind") != ARTIFACT_KIND:
+        raise ArtifactError(f"{where} is not an atlas receipts artifact (missing kind={ARTIFACT_KIND!r})")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {SCHEMA_VERSION}"
+        )
+    for key in ("canary", "model", "config", "layers", "summary", "per_window"):
+        if key not in data:
+            raise ArtifactError(f"{where} lacks the {key!r} section (truncated or corrupted?)")
+
+
+# --- derivation shared by measure and verify ------------------------------------------------------
+
+
+def derive(
+    layer_meta: list[dict[str, Any]],
+    per_window: dict[str, Any],
+    n_windows: int,
+    window: int,
+    receipts_cfg: dict[str, Any],
+    exact: list[dict[str, Any]] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Layers (meta + receipts + CIs) and the summary (State3 included) from per-window arrays.
+
+    ``exact`` carries per-layer receipts that need per-token values (margin quantiles);
+    they are copied through, not re-derived.
+    """
+    idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
+    level = receipts_cfg["ci_level"]
+    layers = []
+    for i, meta in enumerate(layer_meta):
+        pw = per_window["layers"][i]
+        values, cis = layer_receipts(
+            pw, per_window["cell_counts"][i], n_windows * window, receipts_cfg["beta_pi"], idx, level
+        )
+        if exact is not None:
+            values.update(exact[i])
+        layers.append({**meta, "receipts": values, "ci": cis})
+    nll = per_window["canary_nll"]
+    s, c = np.asarray(nll["sum"], float), np.asarray(nll["count"], float)
+    summ = summary(layers, jsonable(ratio(s, c)))
+    summ["canary_nll_ci"] = list(ratio_ci(s, c, idx, level))
+    return layers, jsonable(summ)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def verify(data: dict[str, Any]) -> list[str]:
+    """Recompute every derived value, CI, pass/fail and summary from the per-window arrays.
+
+    Returns a list of disagreements (empty when the artifact is self-consistent).
+    """
+    check_artifact(data)
+    meta = [{k: v for k, v in lay.items() if k not in ("receipts", "ci")} for lay in data["layers"]]
+    exact = [{k: lay["receipts"].get(k) for k in EXACT_ONLY if k in lay["receipts"]} for lay in data["layers"]]
+    canary = data["canary"]
+    try:
+        layers, summ = derive(
+            meta, data["per_window"], canary["n_windows"], canary["window"], data["config"]["receipts"], exact
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return [f"per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
+    problems: list[str] = []
+    for stored, fresh in zip(data["layers"], jsonable(layers)):
+        for key, value in fresh["receipts"].items():
+            if not _close(stored["receipts"].get(key), value):
+                problems.append(f"{stored['name']}: {key} is {stored['receipts'].get(key)!r}, recomputed {value!r}")
+        for key, value in fresh["ci"].items():
+            if not _close(stored["ci"].get(key), value):
+                problems.append(f"{stored['name']}: CI of {key} is {stored['ci'].get(key)!r}, recomputed {value!r}")
+    for key, value in summ.items():
+        if not _close(data["summary"].get(key), value):
+            problems.append(f"summary: {key} is {data['summary'].get(key)!r}, recomputed {value!r}")
+    if len(data["layers"]) != len(layers):
+        problems.append(f"{len(data['layers'])} layers stored, {len(layers)} recomputed")
+    return problems
+
+
+EXACT_ONLY = ("margin_p10", "margin_p50")
+"""Receipts that are exact quantiles of per-token values: reported, but not re-derivable."""

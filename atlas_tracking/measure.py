@@ -1,0 +1,252 @@
+"""``measure``: one no-grad forward over the canary with capture hooks -> a :class:`GateReport`.
+
+Example (a tiny random Qwen3-MoE; transformers supplies the architecture code):
+    >>> import numpy as np, torch
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> from atlas_tracking import AtlasConfig, Canary, measure
+    >>> _ = torch.manual_seed(0)
+    >>> cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    ...                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    ...                      num_experts=8, num_experts_per_tok=2)
+    >>> model = Qwen3MoeForCausalLM(cfg)
+    >>> canary = Canary.from_token_ids(np.arange(2000) % 64, window=32, n_windows=8, seed=0)
+    >>> report = measure(model, canary, config=AtlasConfig.from_dict({"receipts": {"progress": False}}))
+    >>> [layer["name"] for layer in report.layers]
+    ['model.layers.0.mlp', 'model.layers.1.mlp']
+    >>> report.layers[0]["receipts"]["pi_sum"]   # sum_e pi_e = k
+    2.0
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
+from atlas_tracking.canary import Canary
+from atlas_tracking.capture import LayerAccumulator, LayerCapture, host_per_window, merge_hosts
+from atlas_tracking.config import AtlasConfig
+from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
+from atlas_tracking.receipts.nll import window_nll
+
+ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
+"""(model, input_ids [B, L]) -> next-token logits [B, L, V], or None when there is no LM head."""
+
+
+class RouterLogitsError(FloatingPointError):
+    """Router logits held NaN or Inf during a gate."""
+
+
+def default_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Forward a transformers-style causal LM (or any module returning logits)."""
+    if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        out = model(input_ids=input_ids, use_cache=False)
+    else:
+        out = model(input_ids)
+    if isinstance(out, torch.Tensor):
+        return out
+    return getattr(out, "logits", None)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _model_limits(model: nn.Module) -> tuple[int | None, int | None]:
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    return (int(vocab) if vocab else None, int(max_pos) if max_pos else None)
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, callback: Callable[[int, int], None] | None):
+        self.total, self.done = total, 0
+        self.enabled, self.callback = enabled and total > 1, callback
+        self.t0 = time.perf_counter()
+
+    def step(self, windows: int) -> None:
+        self.done += windows
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+        elif self.enabled:
+            rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+            print(f"\ratlas: {self.done}/{self.total} canary windows ({rate:.1f}/s)", end="", file=sys.stderr)
+            if self.done >= self.total:
+                print(file=sys.stderr)
+
+
+def measure_partial(
+    model: nn.Module,
+    canary: Canary,
+    config: AtlasConfig,
+    layers: list[RoutedLayer],
+    rank: int,
+    world_size: int,
+    forward: ForwardFn = default_forward,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """This rank's share of a gate: per-window host arrays for the windows it owns."""
+    rcfg = config.receipts
+    device = _model_device(model)
+    batches = canary.shard(rank, world_size, rcfg.batch_windows)
+    captures = []
+    for layer in layers:
+        acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
+        captures.append(LayerCapture(layer, acc, rcfg))
+    nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
+    nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
+    owned = np.zeros(canary.n_windows, dtype=bool)
+    shown = _Progress(sum(e - s for s, e in batches), rcfg.progress, progress)
+    was_training = model.training
+    model.eval()
+    try:
+        for cap in captures:
+            cap.attach()
+        with torch.no_grad():
+            for start, end in batches:
+                for cap in captures:
+                    cap.windows = (start, end)
+                ids = torch.from_numpy(canary.windows[start:end]).to(device)
+                logits = forward(model, ids)
+                if logits is not None:
+                    s, c = window_nll(logits, ids)
+                    nll_sum[start:end], nll_cnt[start:end] = s, c
+                owned[start:end] = True
+                shown.step(end - start)
+    finally:
+        for cap in captures:
+            cap.detach()
+        model.train(was_training)
+    for cap in captures:
+        if cap.calls != len(batches):
+            raise RuntimeError(
+                f"routed layer {cap.layer.name} ran {cap.calls} times for {len(batches)} canary micro-batches; "
+                "is it bypassed by the model's forward?"
+            )
+    return {
+        "owned": owned,
+        "layers": [cap.acc.to_host() for cap in captures],
+        "nll_sum": nll_sum.cpu().numpy(),
+        "nll_count": nll_cnt.cpu().numpy(),
+    }
+
+
+def _gather(partial: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    if world_size == 1:
+        return [partial]
+    out: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(out, partial)
+    return out
+
+
+def _check_finite(layers: list[RoutedLayer], merged_layers: list[dict[str, Any]]) -> None:
+    bad = [
+        f"{layer.name} ({int(host['nonfinite_logits'].sum())} tokens)"
+        for layer, host in zip(layers, merged_layers)
+        if host["nonfinite_logits"].sum() > 0
+    ]
+    if bad:
+        raise RouterLogitsError(f"router logits hold NaN/Inf in routed layer(s): {', '.join(bad)}")
+
+
+def build_report(
+    partials: list[dict[str, Any]],
+    layers: list[RoutedLayer],
+    canary: Canary,
+    config: AtlasConfig,
+    model: nn.Module,
+    step: int | None,
+) -> GateReport:
+    """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``)."""
+    rcfg = config.receipts
+    owned = [p["owned"] for p in partials]
+    merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
+    _check_finite(layers, merged)
+    nll_sum, nll_cnt = np.zeros(canary.n_windows), np.zeros(canary.n_windows, dtype=np.int64)
+    for p, own in zip(partials, owned):
+        nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
+    protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
+    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected} for layer in layers]
+    per_window = {
+        "canary_nll": {"sum": nll_sum, "count": nll_cnt},
+        "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],
+        "cell_counts": [sorted(h["cells"].values(), reverse=True) for h in merged],
+    }
+    exact = []
+    for h in merged:
+        m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
+        q10, q50 = (np.quantile(m, [0.1, 0.5]).tolist() if m.size else [None, None])
+        exact.append({"margin_p10": q10, "margin_p50": q50})
+    layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, rcfg.__dict__, exact)
+    model_info = {
+        "class": type(model).__name__,
+        "families": sorted({layer.family for layer in layers}),
+        "fingerprint": model_fingerprint(type(model).__name__, meta),
+        "deterministic_routing": all(layer.deterministic_routing for layer in layers),
+    }
+    canary_info = {
+        "fingerprint": canary.fingerprint,
+        "n_windows": canary.n_windows,
+        "window": canary.window,
+        "seed": canary.seed,
+    }
+    return GateReport(
+        step=step,
+        canary=canary_info,
+        model=model_info,
+        config={"receipts": config.to_dict()["receipts"], "lifecycle": config.to_dict()["lifecycle"]},
+        layers=layer_dicts,
+        summary=summ,
+        per_window=per_window,
+    )
+
+
+def measure(
+    model: nn.Module,
+    canary: Canary,
+    baseline: Any = None,
+    config: AtlasConfig | dict | str | None = None,
+    *,
+    step: int | None = None,
+    layers: list[RoutedLayer] | None = None,
+    forward: ForwardFn = default_forward,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> GateReport:
+    """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
+
+    Under ``torch.distributed`` every rank measures an even share of the canary's micro-batches
+    and the per-window arrays are gathered, so every rank returns the same report. ``rank`` and
+    ``world_size`` may be given to measure one shard without a process group (the partial is then
+    only this shard; see :func:`measure_partial` and :func:`build_report` to merge shards).
+    """
+    cfg = AtlasConfig.coerce(config)
+    layers = layers if layers is not None else find_routed_layers(model)
+    canary.check_fits(*_model_limits(model))
+    d_rank, d_world = _dist_rank_world()
+    rank = d_rank if rank is None else rank
+    world = d_world if world_size is None else world_size
+    partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress)
+    partials = _gather(partial, d_world) if world_size is None else [partial]
+    report = build_report(partials, layers, canary, cfg, model, step)
+    if baseline is not None:
+        from atlas_tracking.baseline import apply_baseline
+
+        apply_baseline(report, baseline, cfg)
+    return report

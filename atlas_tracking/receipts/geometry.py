@@ -1,0 +1,41 @@
+"""Angular geometry of RMS-normalised states (RECEIPTS.md, Notation; seeds/000 eq. 1-3, 10).
+
+Example:
+    >>> import torch
+    >>> x = torch.tensor([[3.0, 4.0]])
+    >>> z = rms_normalize(x, eps=0.0)
+    >>> torch.allclose(z.norm(dim=-1), torch.tensor([2.0 ** 0.5]))
+    True
+    >>> zh = angular(z)
+    >>> u = torch.tensor([[[1.0, 0.0]]])
+    >>> v = tangent_project(u, zh)
+    >>> float((v[0, 0] * zh[0]).sum().abs()) < 1e-7
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Canonical pre-gain state ``z = x / sqrt(mean(x^2) + eps)``, computed in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def angular(z: torch.Tensor) -> torch.Tensor:
+    """Angular state ``zh = z / ||z||`` on the unit sphere (zero rows stay zero)."""
+    norm = z.norm(dim=-1, keepdim=True)
+    return z / norm.clamp_min(torch.finfo(z.dtype).tiny)
+
+
+def tangent_project(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
+    """Tangent-visible field ``v = u - (zh . u) zh``.
+
+    ``u`` is ``[N, m, d]`` (m fields per token) or ``[N, d]``; ``zh`` is ``[N, d]``.
+    """
+    if u.dim() == zh.dim():
+        return u - (u * zh).sum(-1, keepdim=True) * zh
+    zh3 = zh.unsqueeze(1)
+    return u - (u * zh3).sum(-1, keepdim=True) * zh3

@@ -1,0 +1,84 @@
+"""Occupancy of the atlas: expert loads, dead experts, load CV, router entropy, cells (seeds/000 sec. 4.5).
+
+Device-side functions count; host-side functions (numpy) turn counts into receipts.
+
+Example:
+    >>> import numpy as np
+    >>> occ = occupancy_from_loads(np.array([2, 2, 0, 0]), n_tokens=2, p_mass=np.array([0.9, 0.9, 0.1, 0.1]), beta_pi=1e3)
+    >>> occ["dead_experts"], occ["experts_active"], occ["load_cv"], round(occ["router_entropy"], 4)
+    (2, 2, 1.0, 0.6931)
+    >>> cell_stats(np.array([3, 1]))["cells_visited"]
+    2
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def window_loads(active: torch.Tensor, window_of_token: torch.Tensor, n_windows: int, n_experts: int) -> torch.Tensor:
+    """``[n_windows, E]`` counts of tokens that routed to each expert, per window (int64, on device)."""
+    k = active.shape[1]
+    flat = window_of_token.repeat_interleave(k) * n_experts + active.reshape(-1)
+    counts = torch.zeros(n_windows * n_experts, dtype=torch.int64, device=active.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    return counts.view(n_windows, n_experts)
+
+
+def smin(values: np.ndarray, beta: float) -> float:
+    """Soft minimum ``-1/beta log sum exp(-beta a_i)`` (seeds/000 eq. 18), computed stably."""
+    a = -beta * np.asarray(values, dtype=np.float64)
+    m = a.max()
+    return float(-(m + math.log(np.exp(a - m).sum())) / beta)
+
+
+def smax(values: np.ndarray, beta: float) -> float:
+    """Soft maximum ``1/beta log sum exp(beta a_i)`` (seeds/000 eq. 19)."""
+    return -smin(-np.asarray(values, dtype=np.float64), beta)
+
+
+def occupancy_from_loads(
+    loads: np.ndarray, n_tokens: int, p_mass: np.ndarray, beta_pi: float
+) -> dict[str, float | int]:
+    """Occupancy receipts from total expert loads over ``n_tokens`` canary tokens.
+
+    ``loads[e] = #{t : e in R_t}``; ``p_mass[e] = sum_t p_t,e`` (full routing distribution).
+    ``pi_sum`` is ``sum_e pi_e``, which equals k: a built-in consistency check.
+    """
+    loads = np.asarray(loads, dtype=np.float64)
+    n_experts = loads.shape[0]
+    pi = loads / n_tokens
+    dead = int((loads == 0).sum())
+    mean = loads.mean()
+    total = loads.sum()
+    f = loads / total if total > 0 else np.zeros_like(loads)
+    nz = f[f > 0]
+    return {
+        "dead_experts": dead,
+        "experts_active": n_experts - dead,
+        "load_cv": float(loads.std() / mean) if mean > 0 else 0.0,
+        "router_entropy": float(-(nz * np.log(nz)).sum()),
+        "pi_min": float(pi.min()),
+        "pi_sum": float(pi.sum()),
+        "pi_tail_smooth": smin(np.asarray(p_mass, dtype=np.float64) / n_tokens, beta_pi),
+    }
+
+
+def cell_stats(cell_counts: np.ndarray) -> dict[str, float | int]:
+    """Active-set cells: number visited and the entropy (nats) of the cell distribution mu(S)."""
+    c = np.asarray(cell_counts, dtype=np.float64)
+    c = c[c > 0]
+    if c.size == 0:
+        return {"cells_visited": 0, "cell_entropy": 0.0}
+    mu = c / c.sum()
+    return {"cells_visited": int(c.size), "cell_entropy": float(-(mu * np.log(mu)).sum())}
+
+
+def count_cells(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct active sets (as sorted rows) and how many tokens visited each."""
+    rows = torch.sort(active, dim=1).values
+    cells, counts = torch.unique(rows, dim=0, return_counts=True)
+    return cells, counts

@@ -1,0 +1,89 @@
+"""State1: set margins, competitors and the per-window boundary set (RECEIPTS.md, State1 and V2).
+
+Example:
+    >>> import torch
+    >>> scores = torch.tensor([[3.0, 1.0, 2.0, float("-inf")]])
+    >>> active = torch.tensor([[0, 2]])
+    >>> m = set_margin(scores, active)
+    >>> m.margin.tolist(), m.e_k.tolist(), m.e_k1.tolist(), m.valid.tolist()
+    ([1.0], [2], [1], [True])
+    >>> boundary_set(torch.tensor([[0.3, 0.1, 0.2, 0.4]]), torch.ones(1, 4, dtype=torch.bool), q=0.5).tolist()
+    [[False, True, True, False]]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_CEIL_SLACK = 1e-9
+"""ceil(q*T) is taken as ceil(q*T - 1e-9) so that e.g. 0.1 * 30 = 3.0000000000000004 counts as 3."""
+
+
+@dataclass
+class SetMargin:
+    """Per-token set margin and the two competitors around the top-k boundary."""
+
+    margin: torch.Tensor
+    """``s[e_k] - s[e_k1]`` (0 where invalid)."""
+    e_k: torch.Tensor
+    """Lowest-scoring selected expert."""
+    e_k1: torch.Tensor
+    """Best unselected eligible expert."""
+    valid: torch.Tensor
+    """False where no eligible competitor exists (the token is excluded from State1 and V2)."""
+
+
+def set_margin(scores: torch.Tensor, active: torch.Tensor) -> SetMargin:
+    """Set margin ``m = s[e_k] - s[e_k1]`` in selection-score units.
+
+    ``scores`` is ``[N, E]`` fp32 with ``-inf`` for ineligible experts; ``active`` is the
+    ``[N, k]`` active set actually used. ``e_k`` is the lowest-scoring member of the active
+    set, ``e_k1`` the best eligible expert outside it.
+    """
+    s_active = scores.gather(1, active)
+    pos_k = s_active.argmin(dim=1, keepdim=True)
+    e_k = active.gather(1, pos_k).squeeze(1)
+    outside = scores.scatter(1, active, float("-inf"))
+    s_k1, e_k1 = outside.max(dim=1)
+    valid = torch.isfinite(s_k1)
+    s_k = s_active.gather(1, pos_k).squeeze(1)
+    margin = torch.where(valid, s_k - s_k1, torch.zeros_like(s_k))
+    return SetMargin(margin=margin, e_k=e_k, e_k1=e_k1, valid=valid)
+
+
+def boundary_set(margins: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
+    """Boundary mask B_w: the ``ceil(q * T_w)`` valid tokens of each window with the smallest margin.
+
+    ``margins`` and ``valid`` are ``[W, L]`` (one row per canary window). Ties are broken by
+    position (a stable sort), so the set is deterministic. Invalid tokens are never in B_w.
+    """
+    keyed = torch.where(valid, margins, torch.full_like(margins, float("inf")))
+    order = torch.sort(keyed, dim=1, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    table = torch.tensor([boundary_count(t, q) for t in range(margins.shape[1] + 1)], device=margins.device)
+    n_b = table[valid.sum(dim=1, keepdim=True)]
+    return (rank < n_b) & valid
+
+
+def boundary_count(t_w: int, q: float) -> int:
+    """``ceil(q * T_w)``, the size of a window's boundary set (exact, in float64 on the host).
+
+    >>> boundary_count(30, 0.1), boundary_count(25, 0.1), boundary_count(0, 0.1)
+    (3, 3, 0)
+    """
+    return math.ceil(q * t_w - _CEIL_SLACK)
+
+
+def q_eff(t_w: int, q: float) -> float:
+    """Null rate of the boundary set: ``ceil(q * T_w) / T_w`` (seeds/002), not ``q``.
+
+    >>> q_eff(25, 0.1)
+    0.12
+    """
+    if t_w <= 0:
+        raise ValueError("q_eff needs a window with at least one token")
+    return boundary_count(t_w, q) / t_w

@@ -1,0 +1,181 @@
+"""Receipts from per-window arrays: the one reduction used by ``measure`` and by ``verify``.
+
+Every number a gate reports (except the exact margin quantiles, which need per-token values)
+is recomputed here from the per-window sums and counts stored in the artifact, so a verifier
+can re-derive every value, CI and pass/fail from the JSON alone.
+
+Example:
+    >>> import numpy as np
+    >>> w = {"c2": {"sum": [0.5, 0.1], "count": [1, 1]}}
+    >>> vals, cis = ratio_receipts(w, bootstrap_indices(2, 50, 0), 0.95)
+    >>> round(vals["c2"], 3)
+    0.3
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
+from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, ratio, ratio_ci
+
+RATIO_RECEIPTS: tuple[str, ...] = (
+    "margin_mean",
+    "c2",
+    "ov_cf",
+    "d_adjacent_boundary",
+    "d_adjacent_interior",
+    "d_random_boundary",
+)
+"""Receipts that are pooled means: ``sum(sum_w) / sum(count_w)``, each with a window-bootstrap CI."""
+
+V2_AXES: dict[str, tuple[str, str]] = {
+    "v2_c1": ("d_adjacent_boundary", "d_adjacent_interior"),
+    "v2_c2": ("d_adjacent_boundary", "d_random_boundary"),
+}
+"""V2 axes as differences of two pooled means (seeds/002): C1 = Delta BI, C2 = Delta Brand."""
+
+__all__ = [
+    "RATIO_RECEIPTS",
+    "V2_AXES",
+    "bootstrap_indices",
+    "layer_receipts",
+    "lower_median",
+    "median_receipt",
+    "ratio_receipts",
+    "summary",
+]
+
+
+def _f(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) -> tuple[dict, dict]:
+    """Pooled ratio receipts and their CIs for every ``{name: {"sum", "count"}}`` entry present."""
+    values: dict[str, float | None] = {}
+    cis: dict[str, list[float | None]] = {}
+    for name, entry in per_window.items():
+        if not isinstance(entry, dict) or "sum" not in entry:
+            continue
+        s = np.asarray(entry["sum"], dtype=np.float64)
+        c = np.asarray(entry["count"], dtype=np.float64)
+        values[name] = _f(ratio(s, c))
+        lo, hi = ratio_ci(s, c, idx, level)
+        cis[name] = [_f(lo), _f(hi)]
+    return values, cis
+
+
+def lower_median(values: np.ndarray) -> float:
+    """The smallest value whose cumulative count reaches half the total (NaN for no values)."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    if v.size == 0:
+        return math.nan
+    return float(v[math.ceil(v.size / 2) - 1])
+
+
+def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level: float) -> tuple[float, list]:
+    """Lower median of values pooled over windows, with a window-bootstrap percentile CI.
+
+    A resample weights each value by how often its window was drawn; its median is the first
+    sorted value whose cumulative weight reaches half the total, the same rule as the estimate.
+    """
+    lengths = [len(v) for v in per_window_values]
+    flat = np.concatenate([np.asarray(v, dtype=np.float64) for v in per_window_values]) if sum(lengths) else np.zeros(0)
+    if flat.size == 0:
+        return math.nan, [None, None]
+    window_of = np.repeat(np.arange(len(per_window_values)), lengths)
+    order = np.argsort(flat, kind="stable")
+    flat, window_of = flat[order], window_of[order]
+    mult = np.stack([np.bincount(row, minlength=len(per_window_values)) for row in idx])
+    weights = mult[:, window_of].astype(np.float64)
+    cum = np.cumsum(weights, axis=1)
+    total = cum[:, -1:]
+    pos = np.argmax(cum >= total / 2.0, axis=1)
+    samples = np.where(total[:, 0] > 0, flat[pos], np.nan)
+    samples = samples[np.isfinite(samples)]
+    alpha = (1.0 - level) / 2.0
+    ci = [_f(float(np.quantile(samples, alpha))), _f(float(np.quantile(samples, 1 - alpha)))] if samples.size else [None, None]
+    return lower_median(flat), ci
+
+
+def _v2(per_window: dict[str, Any], idx: np.ndarray, level: float, values: dict, cis: dict) -> None:
+    for axis, (a, b) in V2_AXES.items():
+        if a not in per_window or b not in per_window or values.get(a) is None or values.get(b) is None:
+            values[axis], cis[axis], values[axis + "_pass"] = None, [None, None], None
+            continue
+        pa, pb = per_window[a], per_window[b]
+        values[axis] = _f(values[a] - values[b])
+        lo, hi = diff_ci(
+            np.asarray(pa["sum"], float), np.asarray(pa["count"], float),
+            np.asarray(pb["sum"], float), np.asarray(pb["count"], float), idx, level,
+        )
+        cis[axis] = [_f(lo), _f(hi)]
+        values[axis + "_pass"] = bool(hi < 0) if math.isfinite(hi) else None
+
+
+def layer_receipts(
+    per_window: dict[str, Any], cell_counts: list[int], n_tokens: int, beta_pi: float, idx: np.ndarray, level: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """All per-window-derived receipts of one layer: occupancy, ratios, boundary mass, V2 axes."""
+    values, cis = ratio_receipts(per_window, idx, level)
+    loads = np.asarray(per_window["load"], dtype=np.int64)
+    p_mass = np.asarray(per_window["p_mass_total"], dtype=np.float64)
+    values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
+    values.update(cell_stats(np.asarray(cell_counts, dtype=np.int64)))
+    for name, entry in per_window.get("boundary_mass", {}).items():
+        s, c = np.asarray(entry["sum"], float), np.asarray(entry["count"], float)
+        values[f"boundary_mass@{name}"] = _f(ratio(s, c))
+        lo, hi = ratio_ci(s, c, idx, level)
+        cis[f"boundary_mass@{name}"] = [_f(lo), _f(hi)]
+    if "transition_jump" in per_window:
+        est, ci = median_receipt(per_window["transition_jump"], idx, level)
+        values["transition_incompat"], cis["transition_incompat"] = _f(est), ci
+    for key in ("excluded_tokens", "rank_violations", "nonfinite_logits"):
+        if key in per_window:
+            values[key] = int(np.sum(per_window[key]))
+    _v2(per_window, idx, level, values, cis)
+    return values, cis
+
+
+def _finite(vals: list) -> list[float]:
+    return [v for v in vals if v is not None and math.isfinite(v)]
+
+
+def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str, Any]:
+    """Cross-layer summaries (RECEIPTS.md, Occupancy): means, min entropy, max dead and CV.
+
+    ``mean_cv`` and ``max_cv`` are in the paper's unit (load CV x 100).
+    """
+    def col(key: str) -> list[float]:
+        return _finite([layer["receipts"].get(key) for layer in layers])
+
+    def mean(key: str) -> float | None:
+        v = col(key)
+        return float(np.mean(v)) if v else None
+
+    protected = [layer for layer in layers if layer.get("protected")]
+    c2_prot = _finite([layer["receipts"].get("c2") for layer in protected])
+    return {
+        "n_layers": len(layers),
+        "c2": mean("c2"),
+        "c2_min": min(col("c2")) if col("c2") else None,
+        "c2_protected": float(np.mean(c2_prot)) if c2_prot else None,
+        "dead_experts": mean("dead_experts"),
+        "dead_experts_max": max(col("dead_experts")) if col("dead_experts") else None,
+        "experts_active": mean("experts_active"),
+        "min_entropy": min(col("router_entropy")) if col("router_entropy") else None,
+        "mean_entropy": mean("router_entropy"),
+        "mean_cv": 100.0 * mean("load_cv") if col("load_cv") else None,
+        "max_cv": 100.0 * max(col("load_cv")) if col("load_cv") else None,
+        "margin": mean("margin_mean"),
+        "ov_cf": mean("ov_cf"),
+        "transition_incompat": mean("transition_incompat"),
+        "v2_c1_pass_layers": sum(1 for layer in layers if layer["receipts"].get("v2_c1_pass")),
+        "v2_c2_pass_layers": sum(1 for layer in layers if layer["receipts"].get("v2_c2_pass")),
+        "canary_nll": canary_nll,
+        "num_experts": int(max(layer["num_experts"] for layer in layers)) if layers else None,
+    }
