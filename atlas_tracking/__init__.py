@@ -4,6 +4,7 @@
 """
 
 from atlas_tracking.adapters import NoRoutedLayersError, RoutedLayer, find_routed_layers, register_family
+from atlas_tracking.baseline import Baseline, BaselineError
 from atlas_tracking.canary import Canary, CanaryError
 from atlas_tracking.config import AtlasConfig, ConfigError
 from atlas_tracking.gate_report import ArtifactError, GateReport
@@ -12,6 +13,8 @@ from atlas_tracking.measure import RouterLogitsError, measure
 __all__ = [
     "ArtifactError",
     "AtlasConfig",
+    "Baseline",
+    "BaselineError",
     "Canary",
     "CanaryError",
     "ConfigError",

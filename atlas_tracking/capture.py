@@ -16,8 +16,15 @@ import numpy as np
 import torch
 
 from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.anchors import AnchorPlan
 from atlas_tracking.config import ReceiptsConfig
 from atlas_tracking.receipts.consistency import set_overlap
+from atlas_tracking.receipts.drift import (
+    active_set_change,
+    content_drift_per_token,
+    js_divergence,
+    one_minus_cos,
+)
 from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
 from atlas_tracking.receipts.occupancy import count_cells, window_loads
 from atlas_tracking.receipts.state1 import boundary_set, set_margin
@@ -25,6 +32,11 @@ from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, sw
 
 _SUM_COUNT = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior", "d_random_boundary")
 _COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
+DRIFT_RECEIPTS = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
+_DRIFT_COUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
+BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
+"""Per-anchor baseline tensors of one layer: canonical state, gate input, active set, routing
+distribution, tangent-projected base fields of the active set, base boundary-set membership."""
 
 
 HASH_BITS = 24
@@ -83,6 +95,14 @@ class LayerAccumulator:
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
 
+    def enable_drift(self) -> None:
+        w, d = self.n_windows, self.device
+        for name in DRIFT_RECEIPTS:
+            self.arrays[name + ".sum"] = torch.zeros(w, dtype=torch.float32, device=d)
+            self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
+        for name in _DRIFT_COUNTERS:
+            self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
+
     def to_host(self) -> dict[str, Any]:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
@@ -97,10 +117,24 @@ class LayerAccumulator:
 class LayerCapture:
     """The three hooks of one routed layer and the receipts they compute."""
 
-    def __init__(self, layer: RoutedLayer, acc: LayerAccumulator, config: ReceiptsConfig):
+    def __init__(
+        self,
+        layer: RoutedLayer,
+        acc: LayerAccumulator,
+        config: ReceiptsConfig,
+        anchors: AnchorPlan | None = None,
+        collect: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+    ):
         self.layer = layer
         self.acc = acc
         self.cfg = config
+        self.anchors = anchors
+        self.collect = collect
+        self.base = base
+        self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
+        if base is not None:
+            acc.enable_drift()
         self.windows: tuple[int, int] = (0, 0)
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
@@ -154,7 +188,8 @@ class LayerCapture:
         logits = router_out[0] if isinstance(router_out, tuple) else router_out
         nonfinite = ~torch.isfinite(logits.float()).all(dim=-1)
 
-        zh = angular(rms_normalize(x2, layer.norm_eps))
+        z = rms_normalize(x2, layer.norm_eps)
+        zh = angular(z)
         sm = set_margin(routing.scores, routing.active)
         valid = sm.valid
         margins = sm.margin.view(bw, seq)
@@ -215,6 +250,54 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.cells.append(count_cells(routing.active))
+        if self.anchors is not None and (self.collect or self.base is not None):
+            a0, a1, local = self.anchors.slice_for(w0, w1)
+            if a1 > a0:
+                loc = torch.from_numpy(local).to(x2.device)
+                if self.collect:
+                    self._collect(a0, loc, z, g2, in_b)
+                if self.base is not None:
+                    self._drift(a0, a1, loc, g2)
+
+    def _anchor_state(self, z: torch.Tensor, experts: torch.Tensor | None, dtype: torch.dtype):
+        """Route ``g = Gamma_now z`` through this checkpoint and evaluate fields (tangent at z)."""
+        g = (self.layer.gamma() * z).to(dtype)
+        routing = self.layer.route(g)
+        chosen = routing.active if experts is None else experts
+        u = tangent_project(self.layer.expert_outputs(g, chosen).float(), angular(z))
+        return routing, u
+
+    def _collect(self, a0: int, loc: torch.Tensor, z: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
+        za = z[loc]
+        routing, u = self._anchor_state(za, None, g2.dtype)
+        field_dtype = getattr(torch, self.cfg.baseline_fields_dtype)
+        self.collected.append((a0, {
+            "z0": za, "g0": g2[loc].float(), "R0": routing.active, "p0": routing.probs,
+            "u0": u.to(field_dtype), "b0": in_b[loc],
+        }))
+
+    def _drift(self, a0: int, a1: int, loc: torch.Tensor, g2: torch.Tensor) -> None:
+        base = {k: v[a0:a1] for k, v in self.base.items()}
+        routing, u1 = self._anchor_state(base["z0"], base["R0"], g2.dtype)
+        u0 = base["u0"]
+        u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
+        changed = active_set_change(base["R0"], routing.active)
+        values = {
+            "coord_drift": one_minus_cos(base["g0"], g2[loc]),
+            "boundary_drift": changed,
+            "transition_drift": js_divergence(base["p0"], routing.probs),
+            "content_drift": content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
+        }
+        w0 = self.windows[0]
+        win = torch.div(loc, self.acc.window, rounding_mode="floor") + w0
+        arr = self.acc.arrays
+        ones = torch.ones_like(win)
+        for name, vals in values.items():
+            arr[name + ".sum"].index_add_(0, win, vals.float())
+            arr[name + ".count"].index_add_(0, win, ones)
+        moved = (changed > 0).long()
+        arr["anchors_changed"].index_add_(0, win, moved)
+        arr["anchors_changed_in_boundary"].index_add_(0, win, moved * base["b0"].long())
 
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
@@ -250,4 +333,18 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
         pw[name] = {"sum": host[name + ".sum"], "count": host[name + ".count"]}
     for name in _COUNTERS:
         pw[name] = host[name]
+    if DRIFT_RECEIPTS[0] + ".sum" in host:
+        pw["drift"] = {name: {"sum": host[name + ".sum"], "count": host[name + ".count"]} for name in DRIFT_RECEIPTS}
+        pw["drift"].update({name: host[name] for name in _DRIFT_COUNTERS})
     return pw
+
+
+def collected_anchors(captures: list[LayerCapture]) -> list[list[tuple[int, dict[str, torch.Tensor]]]]:
+    """Each layer's collected anchor slices ``(first anchor index, tensors)``, moved to the CPU."""
+    return [[(a0, {k: v.cpu() for k, v in part.items()}) for a0, part in cap.collected] for cap in captures]
+
+
+def concat_anchors(parts: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Anchor slices (from one or several ranks) concatenated in anchor order."""
+    parts = sorted(parts, key=lambda item: item[0])
+    return {key: torch.cat([p[key] for _, p in parts]) for key in BASE_TENSORS} if parts else {}

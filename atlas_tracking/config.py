@@ -79,7 +79,7 @@ class ReceiptsConfig:
 class LifecycleConfig:
     """Handoff and refinement margins (RECEIPTS.md, Lifecycle margins)."""
 
-    protected_layers: Union[Literal["mid", "all"], list[int]] = "mid"
+    protected_layers: Literal["mid", "all"] | list[int] = "mid"
     """"mid" (middle half of the routed layers), "all", or routed-layer ordinals."""
     lam1: float = 1.0
     lam2: float = 0.1
@@ -232,6 +232,14 @@ def _type_name(tp: Any) -> str:
     return {float: "a number", int: "an integer", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
+_SCALAR_CHECKS: dict[type, Any] = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+
+
 def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -252,18 +260,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return value
         if isinstance(value, dict):
             return _build(tp, value, key + ".")
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp in _SCALAR_CHECKS and _SCALAR_CHECKS[tp](value):
+        return float(value) if tp is float else value
     raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}")
 
 

@@ -82,6 +82,8 @@ class GateReport:
     per_window: dict[str, Any]
     drift: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    anchors: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    """In-memory anchor tensors collected during the gate (not serialised; see ``Baseline.from_report``)."""
 
     # --- views --------------------------------------------------------------------------------
     def layer(self, name: str) -> dict[str, Any]:
@@ -234,6 +236,8 @@ def verify(data: dict[str, Any]) -> list[str]:
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return [f"per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
     problems: list[str] = []
+    if data.get("drift") is not None:
+        problems += _verify_drift(data, layers)
     for stored, fresh in zip(data["layers"], jsonable(layers)):
         for key, value in fresh["receipts"].items():
             if not _close(stored["receipts"].get(key), value):
@@ -246,6 +250,34 @@ def verify(data: dict[str, Any]) -> list[str]:
             problems.append(f"summary: {key} is {data['summary'].get(key)!r}, recomputed {value!r}")
     if len(data["layers"]) != len(layers):
         problems.append(f"{len(data['layers'])} layers stored, {len(layers)} recomputed")
+    return problems
+
+
+def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[str]:
+    from atlas_tracking.baseline import derive_drift
+
+    stored = data["drift"]
+    canary = data["canary"]
+    try:
+        fresh = derive_drift(
+            layers, data["per_window"], data["per_window"]["baseline"], stored["reference"],
+            stored["handoff_reference"], canary["n_windows"] * canary["window"],
+            data["config"]["receipts"], data["config"]["lifecycle"],
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
+    problems = []
+    for key in ("handoff_margin", "refine_margin", "handoff_layer", "refine_layer"):
+        if not _close(stored.get(key), fresh[key]):
+            problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
+    for a, b in zip(stored["layers"], fresh["layers"]):
+        for key, value in b.items():
+            if key == "ci":
+                for ck, cv in value.items():
+                    if not _close(a["ci"].get(ck), cv):
+                        problems.append(f"drift {a['name']}: CI of {ck} is {a['ci'].get(ck)!r}, recomputed {cv!r}")
+            elif not _close(a.get(key), value):
+                problems.append(f"drift {a['name']}: {key} is {a.get(key)!r}, recomputed {value!r}")
     return problems
 
 

@@ -29,8 +29,16 @@ import torch
 from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
+from atlas_tracking.anchors import AnchorPlan
 from atlas_tracking.canary import Canary
-from atlas_tracking.capture import LayerAccumulator, LayerCapture, host_per_window, merge_hosts
+from atlas_tracking.capture import (
+    LayerAccumulator,
+    LayerCapture,
+    collected_anchors,
+    concat_anchors,
+    host_per_window,
+    merge_hosts,
+)
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
@@ -99,15 +107,23 @@ def measure_partial(
     world_size: int,
     forward: ForwardFn = default_forward,
     progress: Callable[[int, int], None] | None = None,
+    anchors: AnchorPlan | None = None,
+    collect: bool = False,
+    baseline: Any = None,
 ) -> dict[str, Any]:
-    """This rank's share of a gate: per-window host arrays for the windows it owns."""
+    """This rank's share of a gate: per-window host arrays for the windows it owns.
+
+    With ``collect`` the anchor tensors a baseline needs are kept; with a ``baseline`` the
+    drift receipts are computed in the same hooks.
+    """
     rcfg = config.receipts
     device = _model_device(model)
     batches = canary.shard(rank, world_size, rcfg.batch_windows)
     captures = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
-        captures.append(LayerCapture(layer, acc, rcfg))
+        base = baseline.layer_tensors(i, device) if baseline is not None else None
+        captures.append(LayerCapture(layer, acc, rcfg, anchors, collect, base))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     owned = np.zeros(canary.n_windows, dtype=bool)
@@ -143,6 +159,7 @@ def measure_partial(
         "layers": [cap.acc.to_host() for cap in captures],
         "nll_sum": nll_sum.cpu().numpy(),
         "nll_count": nll_cnt.cpu().numpy(),
+        "anchors": collected_anchors(captures) if collect else None,
     }
 
 
@@ -171,6 +188,7 @@ def build_report(
     config: AtlasConfig,
     model: nn.Module,
     step: int | None,
+    anchors: AnchorPlan | None = None,
 ) -> GateReport:
     """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``)."""
     rcfg = config.receipts
@@ -192,7 +210,7 @@ def build_report(
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
         q10, q50 = (np.quantile(m, [0.1, 0.5]).tolist() if m.size else [None, None])
         exact.append({"margin_p10": q10, "margin_p50": q50})
-    layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, rcfg.__dict__, exact)
+    layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, config.to_dict()["receipts"], exact)
     model_info = {
         "class": type(model).__name__,
         "families": sorted({layer.family for layer in layers}),
@@ -205,7 +223,7 @@ def build_report(
         "window": canary.window,
         "seed": canary.seed,
     }
-    return GateReport(
+    report = GateReport(
         step=step,
         canary=canary_info,
         model=model_info,
@@ -214,6 +232,18 @@ def build_report(
         summary=summ,
         per_window=per_window,
     )
+    if partials[0]["anchors"] is not None and anchors is not None:
+        layer_anchors = []
+        for i, layer in enumerate(layers):
+            tensors = concat_anchors([part for p in partials for part in p["anchors"][i]])
+            tensors["gamma0"] = layer.gamma().detach().cpu()
+            layer_anchors.append(tensors)
+        report.anchors = {
+            "layers": layer_anchors,
+            "positions": anchors.positions.tolist(),
+            "batch_windows": rcfg.batch_windows,
+        }
+    return report
 
 
 def measure(
@@ -228,6 +258,8 @@ def measure(
     rank: int | None = None,
     world_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    keep_anchors: bool | None = None,
+    handoff_reference: list[dict[str, Any]] | None = None,
 ) -> GateReport:
     """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
 
@@ -235,18 +267,45 @@ def measure(
     and the per-window arrays are gathered, so every rank returns the same report. ``rank`` and
     ``world_size`` may be given to measure one shard without a process group (the partial is then
     only this shard; see :func:`measure_partial` and :func:`build_report` to merge shards).
+
+    Without a ``baseline`` the gate keeps the anchor tensors a :class:`~atlas_tracking.Baseline`
+    is made of (``keep_anchors`` overrides). With one, drift, paired deltas and lifecycle
+    margins are added under ``report.drift``; ``handoff_reference`` (per-layer ``c2`` and
+    ``pi_min``) replaces the baseline as the handoff reference.
     """
     cfg = AtlasConfig.coerce(config)
     layers = layers if layers is not None else find_routed_layers(model)
     canary.check_fits(*_model_limits(model))
+    if baseline is not None:
+        baseline.check_compatible([lay.describe() for lay in layers], type(model).__name__, canary.fingerprint)
+        plan = AnchorPlan(positions=baseline.positions, window=canary.window)
+    else:
+        plan = AnchorPlan.select(canary, cfg.receipts.anchors, cfg.receipts.seed)
+    collect = (baseline is None) if keep_anchors is None else keep_anchors
     d_rank, d_world = _dist_rank_world()
     rank = d_rank if rank is None else rank
     world = d_world if world_size is None else world_size
-    partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress)
+    partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress, plan, collect, baseline)
     partials = _gather(partial, d_world) if world_size is None else [partial]
-    report = build_report(partials, layers, canary, cfg, model, step)
+    report = build_report(partials, layers, canary, cfg, model, step, plan)
     if baseline is not None:
-        from atlas_tracking.baseline import apply_baseline
-
-        apply_baseline(report, baseline, cfg)
+        attach_drift(report, baseline, handoff_reference)
     return report
+
+
+def attach_drift(report: GateReport, baseline: Any, handoff_reference: list[dict[str, Any]] | None = None) -> None:
+    """Add the drift section (and the baseline's per-window arrays, for verify) to a report."""
+    from atlas_tracking.baseline import derive_drift
+
+    base_pw = baseline.manifest["per_window"]
+    report.per_window["baseline"] = base_pw
+    reference = baseline.manifest["reference"]
+    report.drift = derive_drift(
+        report.layers, report.per_window, base_pw, reference, handoff_reference or reference,
+        report.canary["n_windows"] * report.canary["window"], report.config["receipts"], report.config["lifecycle"],
+    )
+    report.drift["baseline"] = {
+        "step": baseline.manifest.get("step"),
+        "canary_fingerprint": baseline.manifest["canary"]["fingerprint"],
+        "model_fingerprint": baseline.manifest["model"]["fingerprint"],
+    }

@@ -34,7 +34,7 @@ def ratio(sums: np.ndarray, counts: np.ndarray) -> float:
     return float(np.sum(sums)) / total if total > 0 else math.nan
 
 
-def _percentile_ci(samples: np.ndarray, level: float) -> tuple[float, float]:
+def percentile_ci(samples: np.ndarray, level: float) -> tuple[float, float]:
     samples = samples[np.isfinite(samples)]
     if samples.size == 0:
         return math.nan, math.nan
@@ -53,11 +53,11 @@ def ratio_samples(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.n
 
 def ratio_ci(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: float) -> tuple[float, float]:
     """Percentile CI of the pooled ratio over window resamples."""
-    return _percentile_ci(ratio_samples(sums, counts, idx), level)
+    return percentile_ci(ratio_samples(sums, counts, idx), level)
 
 
 def diff_ci(
     sums_a: np.ndarray, counts_a: np.ndarray, sums_b: np.ndarray, counts_b: np.ndarray, idx: np.ndarray, level: float
 ) -> tuple[float, float]:
     """CI of ``ratio_a - ratio_b`` with both ratios resampled on the same windows (paired)."""
-    return _percentile_ci(ratio_samples(sums_a, counts_a, idx) - ratio_samples(sums_b, counts_b, idx), level)
+    return percentile_ci(ratio_samples(sums_a, counts_a, idx) - ratio_samples(sums_b, counts_b, idx), level)

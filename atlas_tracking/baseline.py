@@ -1,0 +1,276 @@
+"""Baselines: the reference gate stored beside a checkpoint, and drift against it.
+
+A baseline directory holds ``anchors.safetensors`` (per layer and anchor token: z0, g0, R0, p0,
+the tangent-projected base fields u0 of R0, base boundary membership b0, and Gamma0) and
+``manifest.json`` (schema version, canary and model fingerprints, config, step, anchor
+positions, reference receipts and the per-window arrays used for paired bootstraps, and the
+sha256 of the tensor file). It is loaded without pickle, and checked before use.
+
+Example:
+    >>> import numpy as np, torch, tempfile
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+    >>> _ = torch.manual_seed(0)
+    >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ...     head_dim=8, num_experts=8, num_experts_per_tok=2))
+    >>> canary = Canary.from_token_ids(np.arange(2000) % 64, window=32, n_windows=8, seed=0)
+    >>> cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "anchors": 64}})
+    >>> base = Baseline.from_report(measure(model, canary, config=cfg))
+    >>> path = base.save(tempfile.mkdtemp() + "/baseline")
+    >>> again = measure(model, canary, baseline=Baseline.load(path), config=cfg)
+    >>> [layer["boundary_drift"] for layer in again.drift["layers"]], again.drift["refine_margin"]
+    ([0.0, 0.0], 0.25)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from atlas_tracking.capture import BASE_TENSORS, DRIFT_RECEIPTS
+from atlas_tracking.gate_report import GateReport, jsonable, write_atomic
+from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
+from atlas_tracking.receipts.paired import occupancy_deltas
+from atlas_tracking.receipts.state1 import boundary_count
+from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, ratio, ratio_ci
+
+SCHEMA_VERSION = 1
+KIND = "atlas-baseline"
+TENSORS_FILE = "anchors.safetensors"
+MANIFEST_FILE = "manifest.json"
+REFERENCE_KEYS = ("c2", "pi_min", "pi_tail_smooth", "dead_experts", "router_entropy", "load_cv", "canary_nll")
+
+
+class BaselineError(ValueError):
+    """A baseline is missing, corrupted, of a newer schema, or does not match the model or canary."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Baseline:
+    """A reference gate: manifest (plain JSON) plus per-layer anchor tensors."""
+
+    def __init__(self, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.manifest = manifest
+        self.tensors = tensors
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_report(cls, report: GateReport) -> Baseline:
+        """Make a baseline from a gate measured without a baseline (or with ``keep_anchors=True``)."""
+        if report.anchors is None:
+            raise BaselineError("this report holds no anchor tensors: measure it with keep_anchors=True")
+        tensors: dict[str, torch.Tensor] = {}
+        for i, anchors in enumerate(report.anchors["layers"]):
+            for key in BASE_TENSORS:
+                t = anchors[key]
+                tensors[f"{i}.{key}"] = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+            tensors[f"{i}.gamma0"] = anchors["gamma0"].contiguous()
+        pw = report.per_window
+        layers_pw = [
+            {"c2": lpw["c2"], "load": lpw["load"], "valid": lpw["margin_mean"]["count"]} for lpw in pw["layers"]
+        ]
+        manifest = jsonable(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "kind": KIND,
+                "step": report.step,
+                "canary": report.canary,
+                "model": {**report.model, "layers": [_layer_key(layer) for layer in report.layers]},
+                "config": report.config,
+                "anchors": {"positions": report.anchors["positions"], "batch_windows": report.anchors["batch_windows"]},
+                "reference": [{k: layer["receipts"].get(k) for k in REFERENCE_KEYS} for layer in report.layers],
+                "summary": report.summary,
+                "per_window": {"canary_nll": pw["canary_nll"], "layers": layers_pw},
+            }
+        )
+        for ref in manifest["reference"]:
+            ref["canary_nll"] = report.summary.get("canary_nll")
+        return cls(manifest, tensors)
+
+    # --- persistence ------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Write the directory atomically: a complete new copy replaces any previous one."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            save_file(self.tensors, str(tmp / TENSORS_FILE), metadata={"kind": KIND})
+            manifest = {**self.manifest, "tensors_sha256": _sha256(tmp / TENSORS_FILE)}
+            write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))
+            if directory.exists():
+                old = directory.with_name(f".{directory.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                directory.rename(old)
+                tmp.rename(directory)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.manifest = manifest
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Baseline:
+        """Read and check a baseline directory (JSON + safetensors, never pickle)."""
+        directory = Path(directory)
+        mpath, tpath = directory / MANIFEST_FILE, directory / TENSORS_FILE
+        if not mpath.exists() or not tpath.exists():
+            raise BaselineError(f"{directory} is not a baseline directory (needs {MANIFEST_FILE} and {TENSORS_FILE})")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as exc:
+            raise BaselineError(f"baseline manifest {mpath} is corrupted or truncated: {exc}") from None
+        if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
+            raise BaselineError(f"{mpath} is not an atlas baseline manifest")
+        version = manifest.get("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise BaselineError(
+                f"baseline {directory} has schema_version {version!r}; this atlas_tracking reads <= {SCHEMA_VERSION}"
+            )
+        if _sha256(tpath) != manifest.get("tensors_sha256"):
+            raise BaselineError(f"baseline tensors {tpath} do not match the manifest checksum (corrupted or replaced)")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(tpath))
+        except (SafetensorError, OSError) as exc:
+            raise BaselineError(f"cannot read baseline tensors {tpath}: {exc}") from None
+        base = cls(manifest, tensors)
+        base._check_shapes()
+        return base
+
+    def _check_shapes(self) -> None:
+        n_anchor = len(self.manifest["anchors"]["positions"])
+        for i, layer in enumerate(self.manifest["model"]["layers"]):
+            for key in (*BASE_TENSORS, "gamma0"):
+                if f"{i}.{key}" not in self.tensors:
+                    raise BaselineError(f"baseline lacks tensor {i}.{key} for layer {layer['name']}")
+            if self.tensors[f"{i}.z0"].shape != (n_anchor, layer["hidden_size"]):
+                raise BaselineError(f"baseline tensor {i}.z0 has shape {tuple(self.tensors[f'{i}.z0'].shape)}")
+
+    # --- use --------------------------------------------------------------------------------
+    @property
+    def positions(self) -> np.ndarray:
+        return np.asarray(self.manifest["anchors"]["positions"], dtype=np.int64)
+
+    def check_compatible(self, model_layers: list[dict[str, Any]], model_class: str, canary_fingerprint: str) -> None:
+        """Raise :class:`BaselineError` naming the first mismatch with this model and canary."""
+        base_fp = self.manifest["canary"]["fingerprint"]
+        if base_fp != canary_fingerprint:
+            raise BaselineError(
+                f"canary fingerprint mismatch: baseline was measured on {base_fp[:12]}, this canary is "
+                f"{canary_fingerprint[:12]}; receipts are only compared on the same canary"
+            )
+        mine = [_layer_key(layer) for layer in model_layers]
+        theirs = self.manifest["model"]["layers"]
+        if self.manifest["model"]["class"] != model_class:
+            raise BaselineError(
+                f"architecture mismatch: baseline is from {self.manifest['model']['class']}, model is {model_class}"
+            )
+        if len(mine) != len(theirs):
+            raise BaselineError(f"architecture mismatch: baseline has {len(theirs)} routed layers, model has {len(mine)}")
+        for a, b in zip(mine, theirs):
+            if a != b:
+                diff = ", ".join(f"{k} {b[k]} vs {a[k]}" for k in a if a[k] != b.get(k))
+                raise BaselineError(f"architecture mismatch at routed layer {a['name']}: {diff} (baseline vs model)")
+
+    def layer_tensors(self, i: int, device: torch.device) -> dict[str, torch.Tensor]:
+        out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS}
+        out["b0"] = out["b0"].bool()
+        return out
+
+
+def _layer_key(layer: dict[str, Any]) -> dict[str, Any]:
+    return {k: layer[k] for k in ("name", "family", "num_experts", "top_k", "hidden_size")}
+
+
+# --- drift receipts from per-window arrays (shared by measure and verify) --------------------------
+
+
+def derive_drift(
+    layers: list[dict[str, Any]],
+    per_window: dict[str, Any],
+    base_pw: dict[str, Any],
+    reference: list[dict[str, Any]],
+    handoff_reference: list[dict[str, Any]],
+    n_tokens: int,
+    receipts_cfg: dict[str, Any],
+    lifecycle_cfg: dict[str, Any],
+) -> dict[str, Any]:
+    """Per-layer drift, paired deltas vs the baseline, boundary concentration, and lifecycle margins."""
+    n_windows = len(per_window["canary_nll"]["sum"])
+    idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
+    level, q = receipts_cfg["ci_level"], receipts_cfg["boundary_q"]
+    out_layers = []
+    for layer, lpw, bpw in zip(layers, per_window["layers"], base_pw["layers"]):
+        entry: dict[str, Any] = {"name": layer["name"], "ordinal": layer["ordinal"], "protected": layer["protected"]}
+        ci: dict[str, Any] = {}
+        for name in DRIFT_RECEIPTS:
+            s, c = np.asarray(lpw["drift"][name]["sum"], float), np.asarray(lpw["drift"][name]["count"], float)
+            entry[name] = ratio(s, c)
+            ci[name] = list(ratio_ci(s, c, idx, level))
+        changed = np.asarray(lpw["drift"]["anchors_changed"], float)
+        in_b = np.asarray(lpw["drift"]["anchors_changed_in_boundary"], float)
+        valid = np.asarray(bpw["valid"], dtype=np.int64)
+        q_eff = np.array([boundary_count(int(t), q) / t if t > 0 else 0.0 for t in valid])
+        entry["boundary_change_share"] = ratio(in_b, changed)
+        entry["boundary_change_null"] = ratio(changed * q_eff, changed)
+        ci["boundary_change_share"] = list(ratio_ci(in_b, changed, idx, level))
+        now_c2, base_c2 = lpw["c2"], bpw["c2"]
+        entry["c2_delta"] = ratio(np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float)) - ratio(
+            np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float)
+        )
+        ci["c2_delta"] = list(
+            diff_ci(
+                np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float),
+                np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx, level,
+            )
+        )
+        occ = occupancy_deltas(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx, level)
+        for key, value in occ.items():
+            (ci if key.endswith("_ci") else entry)[key.removesuffix("_ci")] = value
+        entry["ci"] = ci
+        out_layers.append(entry)
+    protected = [layer["ordinal"] for layer in layers if layer["protected"]]
+    now = [layer["receipts"] for layer in layers]
+    lc = lifecycle_cfg
+    h, h_layer = handoff_margin(now, handoff_reference, protected, lc["lam1"], lc["lam2"], n_tokens)
+    mu = (lc["mu1"], lc["mu2"], lc["mu3"])
+    r, r_layer = refine_margin(now, out_layers, reference, protected, mu, lc["tau"], n_tokens)
+    return jsonable(
+        {
+            "layers": out_layers,
+            "handoff_margin": h,
+            "handoff_layer": layers[h_layer]["name"],
+            "refine_margin": r,
+            "refine_layer": layers[r_layer]["name"],
+            "reference": reference,
+            "handoff_reference": handoff_reference,
+        }
+    )
+
+
+def reference_from_report(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-layer reference receipts (c2, pi_min, ...) from a receipts JSON, for the handoff margin."""
+    return [{k: layer["receipts"].get(k) for k in REFERENCE_KEYS if k in layer["receipts"]} for layer in data["layers"]]
+

@@ -1,0 +1,126 @@
+"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report.
+
+Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from atlas_tracking.canary import Canary
+from atlas_tracking.config import AtlasConfig
+from atlas_tracking.gate_report import read_artifact, verify
+from atlas_tracking.tables import layer_table, summary_line
+
+EXIT_ERROR = 2
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def load_hf_model(model_dir: str, dtype: str = "auto", device: str = "cpu"):
+    """Load a transformers causal LM from a local checkpoint directory (safetensors weights)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise CLIError(f"loading --model needs transformers (pip install 'atlas-tracking[hf]'): {exc}") from None
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise CLIError(f"{model_dir} is not a transformers checkpoint directory (no config.json)")
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
+    return model.to(device).eval()
+
+
+def _config(path: str | None) -> AtlasConfig:
+    return AtlasConfig.from_yaml(path) if path else AtlasConfig()
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from atlas_tracking.measure import measure
+
+    cfg = _config(args.config)
+    canary = Canary.load(args.canary)
+    model = load_hf_model(args.model, args.dtype, args.device)
+    baseline = None
+    if args.baseline:
+        from atlas_tracking.baseline import Baseline
+
+        baseline = Baseline.load(args.baseline)
+    t0 = time.perf_counter()
+    report = measure(model, canary, baseline=baseline, config=cfg, step=args.step)
+    elapsed = time.perf_counter() - t0
+    report.save(args.out)
+    print(layer_table(report.layers))
+    print(summary_line(report.summary))
+    print(f"wrote {args.out} ({len(report.layers)} routed layers, {canary.n_tokens} canary tokens, {elapsed:.2f}s)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    data = read_artifact(args.receipts)
+    problems = verify(data)
+    for p in problems:
+        print(f"MISMATCH {p}")
+    if problems:
+        print(f"{args.receipts}: {len(problems)} disagreement(s)", file=sys.stderr)
+        return 1
+    n = len(data["layers"])
+    print(f"{args.receipts}: OK, every receipt, CI, pass/fail and summary recomputed from per-window arrays ({n} layers)")
+    return 0
+
+
+def _add_measure(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("measure", help="measure atlas receipts of a transformers checkpoint on a canary")
+    p.add_argument("--model", required=True, help="transformers checkpoint directory (safetensors)")
+    p.add_argument("--canary", required=True, help=".npy [n_windows, window] token ids, or .npz from Canary.save")
+    p.add_argument("--baseline", help="baseline directory (adds drift and paired deltas)")
+    p.add_argument("--config", help="atlas YAML config")
+    p.add_argument("--out", required=True, help="receipts JSON to write")
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_measure)
+
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="recompute every pass/fail and summary of a receipts JSON")
+    p.add_argument("receipts")
+    p.set_defaults(func=cmd_verify)
+
+
+def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
+    return []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atlas-tracking", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_measure(sub)
+    _add_verify(sub)
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ValueError, OSError, KeyError, FloatingPointError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"atlas-tracking {args.command}: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+

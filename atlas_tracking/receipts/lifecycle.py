@@ -1,0 +1,65 @@
+"""Lifecycle margins: handoff and refinement (RECEIPTS.md; seeds/000 eq. 31-32).
+
+Exact margins on per-layer receipts. Positive is inside the boundary.
+
+Example:
+    >>> now = [{"c2": 0.10, "pi_min": 0.02}, {"c2": 0.05, "pi_min": 0.01}]
+    >>> ref = [{"c2": 0.08, "pi_min": 0.02}, {"c2": 0.05, "pi_min": 0.02}]
+    >>> round(handoff_margin(now, ref, [0, 1], lam1=1.0, lam2=0.1, n_tokens=1000)[0], 6)
+    -0.05
+    >>> drift = [{"boundary_drift": 0.0, "content_drift": 0.0}] * 2
+    >>> refine_margin(ref, drift, ref, [0, 1], mu=(1.0, 1.0, 0.1), tau=0.25, n_tokens=1000)[0]
+    0.25
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _pi_ratio(pi: float, pi_ref: float, n_tokens: int) -> float:
+    return pi / max(pi_ref, 1.0 / n_tokens)
+
+
+def handoff_terms(now: Sequence[dict], ref: Sequence[dict], lam1: float, lam2: float, n_tokens: int) -> list[float]:
+    """Per-layer ``lam1 (c2 - c2_ref) + lam2 (pi_min / max(pi_min_ref, 1/T) - 1)`` (eq. 31)."""
+    return [
+        lam1 * (a["c2"] - b["c2"]) + lam2 * (_pi_ratio(a["pi_min"], b["pi_min"], n_tokens) - 1.0)
+        for a, b in zip(now, ref)
+    ]
+
+
+def handoff_margin(
+    now: Sequence[dict], ref: Sequence[dict], protected: Sequence[int], lam1: float, lam2: float, n_tokens: int
+) -> tuple[float, int]:
+    """Exact handoff margin (min over protected layers) and the ordinal of the binding layer."""
+    terms = handoff_terms(now, ref, lam1, lam2, n_tokens)
+    worst = min(protected, key=lambda i: terms[i])
+    return terms[worst], worst
+
+
+def refine_terms(
+    now: Sequence[dict], drift: Sequence[dict], base: Sequence[dict], mu: tuple[float, float, float], n_tokens: int
+) -> list[float]:
+    """Per-layer repurposing load ``mu1 bd + mu2 cd + mu3 (1 - pi_min / max(pi_min_base, 1/T))`` (eq. 32)."""
+    mu1, mu2, mu3 = mu
+    return [
+        mu1 * d["boundary_drift"] + mu2 * d["content_drift"] + mu3 * (1.0 - _pi_ratio(a["pi_min"], b["pi_min"], n_tokens))
+        for a, d, b in zip(now, drift, base)
+    ]
+
+
+def refine_margin(
+    now: Sequence[dict],
+    drift: Sequence[dict],
+    base: Sequence[dict],
+    protected: Sequence[int],
+    mu: tuple[float, float, float],
+    tau: float,
+    n_tokens: int,
+) -> tuple[float, int]:
+    """Exact refinement margin ``tau - max`` over protected layers, and the binding layer."""
+    terms = refine_terms(now, drift, base, mu, n_tokens)
+    worst = max(protected, key=lambda i: terms[i])
+    return tau - terms[worst], worst
+

@@ -1,0 +1,49 @@
+"""Paired gate-vs-baseline comparisons on the same canary windows (RECEIPTS.md, Statistics).
+
+Both gates saw the same windows, so a bootstrap resample draws the same windows for both and
+the CI is that of the paired difference.
+
+Example:
+    >>> import numpy as np
+    >>> from atlas_tracking.receipts.stats import bootstrap_indices
+    >>> idx = bootstrap_indices(3, 100, 0)
+    >>> loads0 = np.array([[2, 0], [2, 0], [1, 1]])
+    >>> out = occupancy_deltas(loads0, loads0, idx, 0.95)
+    >>> out["dead_experts_delta"], out["dead_experts_delta_ci"]
+    (0.0, [0.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas_tracking.receipts.stats import percentile_ci
+
+
+def _occupancy_stats(loads: np.ndarray) -> dict[str, np.ndarray]:
+    """Dead experts, router entropy and load CV of each row of ``loads [R, E]``."""
+    loads = loads.astype(np.float64)
+    total = loads.sum(axis=1, keepdims=True)
+    f = np.divide(loads, total, out=np.zeros_like(loads), where=total > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent = -np.where(f > 0, f * np.log(np.where(f > 0, f, 1.0)), 0.0).sum(axis=1)
+    mean = loads.mean(axis=1)
+    cv = np.divide(loads.std(axis=1), mean, out=np.zeros_like(mean), where=mean > 0)
+    return {"dead_experts": (loads == 0).sum(axis=1).astype(np.float64), "router_entropy": ent, "load_cv": cv}
+
+
+def occupancy_deltas(loads_now: np.ndarray, loads_base: np.ndarray, idx: np.ndarray, level: float) -> dict:
+    """``now - base`` of dead experts, router entropy and load CV, with paired window-bootstrap CIs.
+
+    ``loads_*`` are per-window expert loads ``[W, E]``; ``idx`` are bootstrap window indices.
+    """
+    mult = np.stack([np.bincount(row, minlength=loads_now.shape[0]) for row in idx]).astype(np.float64)
+    full_now = _occupancy_stats(loads_now.sum(axis=0, keepdims=True))
+    full_base = _occupancy_stats(loads_base.sum(axis=0, keepdims=True))
+    res_now = _occupancy_stats(mult @ loads_now)
+    res_base = _occupancy_stats(mult @ loads_base)
+    out: dict = {}
+    for key in full_now:
+        out[f"{key}_delta"] = float(full_now[key][0] - full_base[key][0])
+        out[f"{key}_delta_ci"] = list(percentile_ci(res_now[key] - res_base[key], level))
+    return out

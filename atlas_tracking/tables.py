@@ -1,0 +1,72 @@
+"""Plain-text tables for the console: one row per routed layer, one row per gate.
+
+Example:
+    >>> print(format_table(["a", "b"], [[1, 0.5], [None, "x"]]))
+    a  b
+    -  -----
+    1  0.500
+    -  x
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAYER_COLUMNS: list[tuple[str, str]] = [
+    ("dead_experts", "dead"),
+    ("load_cv", "cv"),
+    ("router_entropy", "H"),
+    ("margin_mean", "margin"),
+    ("c2", "c2"),
+    ("v2_c1", "v2_c1"),
+    ("v2_c2", "v2_c2"),
+    ("ov_cf", "ov_cf"),
+    ("transition_incompat", "jump"),
+]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "pass" if value else "fail"
+    if isinstance(value, float):
+        return f"{value:+.4f}" if abs(value) < 0.1 and value != 0 else f"{value:.3f}"
+    return str(value)
+
+
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned columns separated by two spaces."""
+    cells = [header] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def layer_table(layers: list[dict[str, Any]]) -> str:
+    """Per-layer receipts of a gate (V2 axes shown with their pass/fail)."""
+    header = ["layer", "E", "k", "prot"] + [short for _, short in LAYER_COLUMNS]
+    rows = []
+    for layer in layers:
+        r = layer["receipts"]
+        row: list[Any] = [layer["name"], layer["num_experts"], layer["top_k"], "*" if layer.get("protected") else ""]
+        for key, _ in LAYER_COLUMNS:
+            value = r.get(key)
+            if key.startswith("v2_") and value is not None:
+                value = f"{value:+.4f} {'pass' if r.get(key + '_pass') else 'fail'}"
+            row.append(value)
+        rows.append(row)
+    return format_table(header, rows)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line: C2, dead experts, min entropy, mean CV, margin, canary NLL."""
+    def f(key: str, fmt: str) -> str:
+        v = summary.get(key)
+        return "-" if v is None else format(v, fmt)
+
+    return (
+        f"c2={f('c2', '+.4f')} dead={f('dead_experts', '.1f')} min_H={f('min_entropy', '.3f')} "
+        f"cv={f('mean_cv', '.1f')} margin={f('margin', '.4f')} nll={f('canary_nll', '.4f')}"
+    )
