@@ -27,9 +27,12 @@ def load_hf_model(model_dir: str, dtype: str = "auto", device: str = "cpu"):
     """Load a transformers causal LM from a local checkpoint directory (safetensors weights)."""
     try:
         import torch
+        import transformers
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise CLIError(f"loading --model needs transformers (pip install 'atlas-tracking[hf]'): {exc}") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise CLIError(f"{model_dir} is not a transformers checkpoint directory (no config.json)")
@@ -54,9 +57,14 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
         baseline = Baseline.load(args.baseline)
     t0 = time.perf_counter()
-    report = measure(model, canary, baseline=baseline, config=cfg, step=args.step)
+    keep = bool(args.save_baseline) or None
+    report = measure(model, canary, baseline=baseline, config=cfg, step=args.step, keep_anchors=keep)
     elapsed = time.perf_counter() - t0
     report.save(args.out)
+    if args.save_baseline:
+        from atlas_tracking.baseline import Baseline
+
+        Baseline.from_report(report).save(args.save_baseline)
     print(layer_table(report.layers))
     print(summary_line(report.summary))
     print(f"wrote {args.out} ({len(report.layers)} routed layers, {canary.n_tokens} canary tokens, {elapsed:.2f}s)")
@@ -81,6 +89,7 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="transformers checkpoint directory (safetensors)")
     p.add_argument("--canary", required=True, help=".npy [n_windows, window] token ids, or .npz from Canary.save")
     p.add_argument("--baseline", help="baseline directory (adds drift and paired deltas)")
+    p.add_argument("--save-baseline", help="save this gate as a baseline directory")
     p.add_argument("--config", help="atlas YAML config")
     p.add_argument("--out", required=True, help="receipts JSON to write")
     p.add_argument("--step", type=int, default=None)
@@ -97,7 +106,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
-    return []
+    from atlas_tracking import compare
+
+    return [compare.register]
 
 
 def build_parser() -> argparse.ArgumentParser:
