@@ -40,7 +40,14 @@ from atlas_tracking.gate_report import GateReport, jsonable, write_atomic
 from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
 from atlas_tracking.receipts.paired import occupancy_deltas
 from atlas_tracking.receipts.state1 import boundary_count
-from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, ratio, ratio_ci
+from atlas_tracking.receipts.stats import (
+    bootstrap_indices,
+    diff_ci,
+    percentile_ci,
+    ratio,
+    ratio_ci,
+    ratio_samples,
+)
 
 SCHEMA_VERSION = 1
 KIND = "atlas-baseline"
@@ -222,6 +229,7 @@ def derive_drift(
     idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
     level, q = receipts_cfg["ci_level"], receipts_cfg["boundary_q"]
     out_layers = []
+    delta_samples = []
     for layer, lpw, bpw in zip(layers, per_window["layers"], base_pw["layers"]):
         entry: dict[str, Any] = {"name": layer["name"], "ordinal": layer["ordinal"], "protected": layer["protected"]}
         ci: dict[str, Any] = {}
@@ -246,6 +254,10 @@ def derive_drift(
                 np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx, level,
             )
         )
+        delta_samples.append(
+            ratio_samples(np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float), idx)
+            - ratio_samples(np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx)
+        )
         occ = occupancy_deltas(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx, level)
         for key, value in occ.items():
             (ci if key.endswith("_ci") else entry)[key.removesuffix("_ci")] = value
@@ -260,6 +272,8 @@ def derive_drift(
     return jsonable(
         {
             "layers": out_layers,
+            "c2_delta": float(np.mean([d["c2_delta"] for d in out_layers])),
+            "c2_delta_ci": list(percentile_ci(np.mean(delta_samples, axis=0), level)),
             "handoff_margin": h,
             "handoff_layer": layers[h_layer]["name"],
             "refine_margin": r,

@@ -1,0 +1,117 @@
+"""The gate record: one JSON object per gate, the line appended to ``atlas/gates.jsonl``.
+
+A record is flat where the policy reads it (``step, c2, dead_experts, min_entropy, mean_cv,
+loss, margin, resume, num_experts, layers, c2_delta_ci``), so ``atlas-tracking replay
+atlas/gates.jsonl`` re-derives every decision from the local record alone; it also carries
+the decision, the alerts and the drift summary. ``gate_metrics`` turns a record into a
+bounded set of scalar metrics for trackers.
+
+Example:
+    >>> rec = {"step": 10, "c2": 0.05, "dead_experts": 1.0, "min_entropy": 2.0, "mean_cv": 40.0,
+    ...        "status": "GREEN", "stage": "clean", "layers": [{"ordinal": 0, "c2": 0.05, "dead_experts": 1}]}
+    >>> m = gate_metrics(rec)
+    >>> m["atlas/c2"], m["atlas/status_code"], m["atlas/layer_00/c2"]
+    (0.05, 1.0, 0.05)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+STATUS_CODES = {"BASELINE": 0, "GREEN": 1, "YELLOW": 2, "RED": 3}
+STAGE_CODES = {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5, "intervene": 6}
+
+SUMMARY_METRICS = (
+    "c2", "c2_min", "c2_protected", "dead_experts", "dead_experts_max", "experts_active", "min_entropy",
+    "mean_entropy", "mean_cv", "max_cv", "margin", "ov_cf", "transition_incompat", "canary_nll",
+    "v2_c1_pass_layers", "v2_c2_pass_layers", "loss",
+)
+"""Cross-layer summaries logged at every gate (bounded: independent of depth)."""
+
+LAYER_METRICS = ("c2", "dead_experts", "router_entropy", "load_cv", "margin_mean", "ov_cf", "c2_delta", "boundary_drift")
+"""Per-layer receipts logged at every gate (one key per routed layer each)."""
+
+DRIFT_METRICS = ("handoff_margin", "refine_margin")
+
+LAYER_FIELDS = (
+    "c2", "dead_experts", "experts_active", "router_entropy", "load_cv", "pi_min", "margin_mean",
+    "ov_cf", "v2_c1", "v2_c2", "v2_c1_pass", "v2_c2_pass", "transition_incompat", "boundary_mass@0.01",
+)
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def gate_record(
+    report: Any,
+    decision: dict[str, Any] | None,
+    *,
+    step: int,
+    loss: float | None,
+    resume: bool = False,
+    baseline_path: str | None = None,
+) -> dict[str, Any]:
+    """Flatten a GateReport (and the policy's decision) into one replayable JSON record."""
+    s = report.summary
+    drift_layers = {d["name"]: d for d in (report.drift or {}).get("layers", [])}
+    layers = []
+    for layer in report.layers:
+        r = layer["receipts"]
+        entry: dict[str, Any] = {
+            "name": layer["name"], "index": layer["index"], "ordinal": layer["ordinal"],
+            "protected": layer["protected"],
+        }
+        entry.update({k: r.get(k) for k in LAYER_FIELDS if k in r})
+        d = drift_layers.get(layer["name"])
+        if d is not None:
+            entry.update({k: d.get(k) for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift",
+                                                 "c2_delta", "dead_experts_delta")})
+        layers.append(entry)
+    record: dict[str, Any] = {
+        "step": int(step),
+        "loss": _num(loss),
+        "resume": bool(resume),
+        **{k: s.get(k) for k in SUMMARY_METRICS if k in s and k != "loss"},
+        "num_experts": s.get("num_experts"),
+        "canary_fingerprint": report.canary["fingerprint"],
+        "layers": layers,
+    }
+    if report.drift is not None:
+        record["handoff_margin"] = report.drift["handoff_margin"]
+        record["refine_margin"] = report.drift["refine_margin"]
+        record["c2_delta"] = report.drift["c2_delta"]
+        record["c2_delta_ci"] = report.drift["c2_delta_ci"]
+        record["baseline_step"] = report.drift.get("baseline", {}).get("step")
+    if baseline_path is not None:
+        record["baseline_path"] = baseline_path
+    if decision is not None:
+        record.update({k: v for k, v in decision.items() if k not in ("step",)})
+    return record
+
+
+def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, float]:
+    """Scalar tracker metrics of a record under the ``atlas/`` namespace (bounded key count)."""
+    out: dict[str, float] = {}
+    for key in (*SUMMARY_METRICS, *DRIFT_METRICS):
+        v = _num(record.get(key))
+        if v is not None:
+            out[f"atlas/{key}"] = v
+    if record.get("status") in STATUS_CODES:
+        out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
+    if record.get("stage") in STAGE_CODES:
+        out["atlas/stage_code"] = float(STAGE_CODES[record["stage"]])
+    if per_layer:
+        for layer in record.get("layers", []):
+            for key in LAYER_METRICS:
+                v = _num(layer.get(key))
+                if v is not None:
+                    out[f"atlas/layer_{layer['ordinal']:02d}/{key}"] = v
+    return out
