@@ -93,8 +93,8 @@ class LifecycleConfig:
 class PolicyConfig:
     """Tolerances of the gate reading (RECEIPTS.md, Gate reading)."""
 
-    c2_tol: float = 0.01
-    """C2 moves smaller than this (absolute) are 'stable'."""
+    c2_tol: float = 0.005
+    """C2 moves smaller than this (absolute) are 'stable' (against the baseline and the previous gate)."""
     dead_tol: float = 0.0
     """Dead experts may rise by at most this many (mean over layers) before occupancy 'degrades'."""
     entropy_tol: float = 0.05
@@ -103,14 +103,18 @@ class PolicyConfig:
     """Mean load CV (x100, as in the paper's tables) may rise by at most this much."""
     loss_tol: float = 0.0
     """Loss must fall by more than this to count as 'improving'."""
+    loss_window: int = 2
+    """Loss is 'improving' when below the loss this many gates earlier (or the earliest since the
+    baseline) by more than loss_tol, and not above the previous gate's loss."""
     n_recover: int = 2
     """Consecutive jointly recovering gates needed to return to 'clean'."""
     use_ci: bool = True
     """When paired CIs are present, C2 'worsens' only if the CI of the change excludes zero."""
 
     def _validate(self, prefix: str) -> None:
-        if self.n_recover < 1:
-            raise ConfigError(f"'{prefix}n_recover' must be >= 1, got {self.n_recover!r}")
+        for name in ("n_recover", "loss_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
         for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"'{prefix}{name}' must be >= 0, got {getattr(self, name)!r}")

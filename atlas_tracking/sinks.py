@@ -162,6 +162,13 @@ class Delivery:
         self._backlog: dict[str, deque] = {s.name: deque(maxlen=backlog_limit) for s in self.sinks}
         self._down: set[str] = set()
 
+    def add(self, sink: Any) -> None:
+        """Deliver to one more sink from the next call on (no-op if a sink of that name is present)."""
+        if sink.name in self._backlog:
+            return
+        self.sinks.append(sink)
+        self._backlog[sink.name] = deque(maxlen=self.backlog_limit)
+
     def backlog_size(self, name: str) -> int:
         return len(self._backlog.get(name, ()))
 

@@ -11,15 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_data import VOCAB_SIZE, encode, prose_text  # noqa: E402
+from demo_data import VOCAB_SIZE, encode, prose_text
 
-from atlas_tracking import AtlasConfig, Canary, measure  # noqa: E402
-from atlas_tracking.tables import layer_table, summary_line  # noqa: E402
+from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking.tables import layer_table, summary_line
 
 
 def build_model(seed: int = 0):

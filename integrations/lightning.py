@@ -1,0 +1,191 @@
+"""``AtlasCallback``: atlas gates at validation time in a Lightning ``Trainer``.
+
+Thin glue: Lightning hooks map to calls on :class:`atlas_tracking.gate.AtlasGate`, which owns
+measurement, baseline, policy, alerts, the local ``<default_root_dir>/atlas/gates.jsonl``
+record and tracker delivery. Trackers are picked up from ``trainer.loggers`` (``WandbLogger``,
+``MLFlowLogger``) or given explicitly. A failing gate never stops training: it is written to
+``atlas/errors.jsonl`` and reported as a warning.
+
+    >>> from atlas_tracking.integrations.lightning import AtlasCallback   # doctest: +SKIP
+    >>> trainer = L.Trainer(callbacks=[AtlasCallback(canary="canary.npz", config="atlas.yaml")],
+    ...                     logger=[WandbLogger(...), MLFlowLogger(tracking_uri="sqlite:///mlflow.db")])
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from atlas_tracking.adapters.base import find_routed_layers
+from atlas_tracking.canary import Canary
+from atlas_tracking.config import AtlasConfig
+from atlas_tracking.gate import AtlasGate
+from atlas_tracking.measure import default_forward
+from atlas_tracking.sinks import LoggingSink
+
+log = logging.getLogger("lightning.pytorch.callbacks.atlas")
+
+LOSS_KEYS = ("val_loss", "val/loss", "validation_loss", "loss", "train_loss", "train/loss")
+
+
+def _forward_target(module: torch.nn.Module) -> torch.nn.Module:
+    """The submodule to call with ``input_ids``: the first transformers-style model inside, else the module."""
+    for sub in module.modules():
+        if hasattr(sub, "config") and hasattr(sub, "get_input_embeddings"):
+            return sub
+    return module
+
+
+def tracker_sinks(loggers: list[Any]) -> list[Any]:
+    """W&B and MLflow sinks for the trainer's loggers (other loggers are left alone)."""
+    sinks: list[Any] = []
+    for logger in loggers:
+        kind = type(logger).__name__
+        if kind == "WandbLogger":
+            from atlas_tracking.integrations.wandb import WandbSink
+
+            sinks.append(WandbSink(logger=logger))
+        elif kind == "MLFlowLogger":
+            from atlas_tracking.integrations.mlflow import MlflowSink
+
+            sinks.append(MlflowSink(logger=logger))
+    return sinks
+
+
+def _run_ids(loggers: list[Any]) -> dict[str, str]:
+    ids: dict[str, str] = {}
+    for logger in loggers:
+        try:
+            if type(logger).__name__ == "WandbLogger":
+                ids["wandb"] = str(logger.experiment.id)
+            elif type(logger).__name__ == "MLFlowLogger":
+                ids["mlflow"] = str(logger.run_id)
+        except Exception:  # a tracker that is down must not break checkpointing
+            continue
+    return ids
+
+
+class AtlasCallback(pl.Callback):
+    """Run an atlas gate after validation, every ``every_n_validations`` (never in the sanity check).
+
+    Args:
+        canary: a :class:`~atlas_tracking.Canary` or the path of a saved one (``.npz``/``.npy``).
+        config: an :class:`~atlas_tracking.AtlasConfig`, a dict, or a YAML path.
+        out_dir: where the baseline and gate records go (default ``<default_root_dir>/atlas``).
+        sinks: extra sinks; W&B and MLflow loggers of the trainer are added automatically.
+        loss_key: the ``trainer.callback_metrics`` key read as the gate's loss (default: first of
+            ``val_loss``, ``val/loss``, ``loss``, ``train_loss``).
+    """
+
+    def __init__(
+        self,
+        canary: Canary | str,
+        config: AtlasConfig | dict | str | None = None,
+        out_dir: str | None = None,
+        sinks: list[Any] | None = None,
+        loss_key: str | None = None,
+    ):
+        super().__init__()
+        self.canary = canary if isinstance(canary, Canary) else Canary.load(canary)
+        self.config = AtlasConfig.coerce(config)
+        self.out_dir = out_dir
+        self.extra_sinks = list(sinks or [])
+        self.loss_key = loss_key
+        self.gate: AtlasGate | None = None
+        self._validations = 0
+        self._restored: dict[str, Any] | None = None
+        self._green: list[str] = []
+        self.last_record: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(canary=self.canary.fingerprint[:16])
+
+    # --- set-up ------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = find_routed_layers(pl_module)
+        target = _forward_target(pl_module)
+        out_dir = Path(self.out_dir) if self.out_dir else Path(trainer.default_root_dir) / "atlas"
+        sinks = [*tracker_sinks(trainer.loggers), *self.extra_sinks, LoggingSink(log)]
+        self.gate = AtlasGate(
+            pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks, layers=layers,
+            forward=lambda _model, ids: default_forward(target, ids),
+        )
+        if self._restored is not None:
+            self._apply_restored(self._restored)
+            self._restored = None
+
+    def _apply_restored(self, state: dict[str, Any]) -> None:
+        assert self.gate is not None
+        self.gate.load_state_dict(state["gate"], resume=True)
+        self._validations = int(state.get("validations", 0))
+        self._green = list(state.get("green_checkpoints", []))
+
+    # --- gates -------------------------------------------------------------------------------
+    def _loss(self, trainer: pl.Trainer) -> float | None:
+        keys = (self.loss_key,) if self.loss_key else LOSS_KEYS
+        for key in keys:
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                return float(value)
+        return None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.gate is None:
+            return
+        self._validations += 1
+        if self._validations % self.config.gate.every_n_validations != 0:
+            return
+        step = int(trainer.global_step)
+        try:
+            record = self.gate.run(step, loss=self._loss(trainer))
+        except Exception as exc:  # monitoring must never stop training
+            self.gate.record_failure(step, exc)
+            rank_zero_warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
+            return
+        self.last_record = record
+        if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
+            self._save_green(trainer, step)
+
+    def _save_green(self, trainer: pl.Trainer, step: int) -> None:
+        """Geometry-aware checkpoint: keep the last N GREEN/clean states (paper 7.5)."""
+        assert self.gate is not None
+        path = self.gate.out_dir / "green" / f"step={step:08d}.ckpt"
+        trainer.save_checkpoint(path)
+        self._green.append(str(path))
+        while len(self._green) > self.config.gate.keep_green_checkpoints:
+            old = Path(self._green.pop(0))
+            if trainer.is_global_zero and old.exists():
+                old.unlink()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.gate is not None:
+            self.gate.finish()
+
+    # --- checkpointed state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.gate is None:
+            return self._restored or {}
+        trainer_loggers = getattr(getattr(self, "_trainer", None), "loggers", []) or []
+        return {
+            "gate": self.gate.state_dict(),
+            "validations": self._validations,
+            "green_checkpoints": self._green,
+            "tracker_run_ids": _run_ids(trainer_loggers),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.gate is None:
+            self._restored = state_dict
+        else:
+            self._apply_restored(state_dict)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
