@@ -132,9 +132,6 @@ class AtlasGate:
         return record
 
     def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]], step: int) -> None:
-        if step in self.local.steps():
-            log.info("atlas: gate at step %s is already in %s; not recorded twice", step, self.local.path)
-            return
         if self.keep_receipts:
             report.save(self.out_dir / "receipts" / f"step_{step:08d}.json")
         self.delivery.gate(record, gate_metrics(record, self.config.gate.log_per_layer), step)
@@ -150,6 +147,24 @@ class AtlasGate:
             fh.write(json.dumps({"step": step, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+    def catch_up(self, until_step: int) -> int:
+        """Replay local records newer than the restored state, up to the restored training step.
+
+        A checkpoint can be written before the gate of its own step ran (e.g. at train-batch end);
+        those gates are in ``gates.jsonl`` and belong to the restored timeline, so the policy and
+        alert state are brought up to date from them (nothing is re-delivered). Returns the count.
+        """
+        records = self.local.records()
+        last = self.policy.history[-1]["step"] if self.policy.history else -1
+        caught = 0
+        for rec in records:
+            if last < rec["step"] <= until_step:
+                decision = self.policy.read(GateSummary.from_dict(rec)).to_dict()
+                self.alerts.evaluate(decision, rec)
+                self.gates_run += 1
+                caught += 1
+        return caught
 
     def finish(self) -> None:
         self.delivery.finish()

@@ -55,16 +55,18 @@ class JsonlSink:
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def steps(self) -> list[int]:
-        """Steps already recorded (used to avoid duplicating a gate after a restart)."""
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete record in the file (a torn last line from a crash is skipped)."""
         if not self.path.exists():
             return []
         out = []
         for line in self.path.read_text().splitlines():
             try:
-                out.append(int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):
+                rec = json.loads(line)
+            except json.JSONDecodeError:
                 continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                out.append(rec)
         return out
 
     def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:

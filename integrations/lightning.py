@@ -116,9 +116,14 @@ class AtlasCallback(pl.Callback):
             pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks, layers=layers,
             forward=lambda _model, ids: default_forward(target, ids),
         )
-        if self._restored is not None:
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning restores callback state before on_fit_start but the loop state (global step)
+        # only after it, so the restored gate state is applied here.
+        if self._restored is not None and self.gate is not None:
             self._apply_restored(self._restored)
             self._restored = None
+            self.gate.catch_up(int(trainer.global_step))
 
     def _apply_restored(self, state: dict[str, Any]) -> None:
         assert self.gate is not None
@@ -180,12 +185,8 @@ class AtlasCallback(pl.Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:
-            return
-        if self.gate is None:
+        if state_dict:
             self._restored = state_dict
-        else:
-            self._apply_restored(state_dict)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer

@@ -1,0 +1,32 @@
+"""Shared pieces for the Lightning tests: a tiny MoE LightningModule, loaders and a canary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+from demo_data import encode, prose_text  # noqa: E402
+from moe_lightning import MoELM, build_qwen3_moe, loaders  # noqa: E402
+
+from atlas_tracking import Canary  # noqa: E402
+
+PROSE = encode(prose_text())
+
+
+def tiny_module(seed: int = 0) -> MoELM:
+    return MoELM(build_qwen3_moe(seed=seed, hidden=32, layers=2, experts=8), lr=3e-3)
+
+
+def tiny_data(steps: int, seed: int = 0):
+    return loaders(PROSE[:200_000], PROSE[200_000:260_000], window=32, batch=8, steps=steps, seed=seed, val_windows=8)
+
+
+def tiny_canary() -> Canary:
+    return Canary.from_token_ids(PROSE[300_000:], window=32, n_windows=8, seed=0)
+
+
+QUIET = {"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64}}
