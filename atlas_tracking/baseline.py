@@ -38,7 +38,7 @@ import torch
 from atlas_tracking.capture import BASE_TENSORS, DRIFT_RECEIPTS
 from atlas_tracking.gate_report import GateReport, jsonable, write_atomic
 from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
-from atlas_tracking.receipts.paired import occupancy_deltas
+from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.state1 import boundary_count
 from atlas_tracking.receipts.stats import (
     bootstrap_indices,
@@ -230,6 +230,7 @@ def derive_drift(
     level, q = receipts_cfg["ci_level"], receipts_cfg["boundary_q"]
     out_layers = []
     delta_samples = []
+    occ_samples = []
     for layer, lpw, bpw in zip(layers, per_window["layers"], base_pw["layers"]):
         entry: dict[str, Any] = {"name": layer["name"], "ordinal": layer["ordinal"], "protected": layer["protected"]}
         ci: dict[str, Any] = {}
@@ -258,9 +259,12 @@ def derive_drift(
             ratio_samples(np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float), idx)
             - ratio_samples(np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx)
         )
-        occ = occupancy_deltas(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx, level)
-        for key, value in occ.items():
-            (ci if key.endswith("_ci") else entry)[key.removesuffix("_ci")] = value
+        occ = occupancy_samples(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx)
+        occ_samples.append(occ)
+        for key, now in occ["now"].items():
+            diff = now - occ["base"][key]
+            entry[f"{key}_delta"] = float(diff[0])
+            ci[f"{key}_delta"] = list(percentile_ci(diff[1:], level))
         entry["ci"] = ci
         out_layers.append(entry)
     protected = [layer["ordinal"] for layer in layers if layer["protected"]]
@@ -269,11 +273,13 @@ def derive_drift(
     h, h_layer = handoff_margin(now, handoff_reference, protected, lc["lam1"], lc["lam2"], n_tokens)
     mu = (lc["mu1"], lc["mu2"], lc["mu3"])
     r, r_layer = refine_margin(now, out_layers, reference, protected, mu, lc["tau"], n_tokens)
+    summary_deltas = _summary_occupancy_deltas(occ_samples, level)
     return jsonable(
         {
             "layers": out_layers,
             "c2_delta": float(np.mean([d["c2_delta"] for d in out_layers])),
             "c2_delta_ci": list(percentile_ci(np.mean(delta_samples, axis=0), level)),
+            **summary_deltas,
             "handoff_margin": h,
             "handoff_layer": layers[h_layer]["name"],
             "refine_margin": r,
@@ -282,6 +288,24 @@ def derive_drift(
             "handoff_reference": handoff_reference,
         }
     )
+
+
+def _summary_occupancy_deltas(occ_samples: list[dict[str, Any]], level: float) -> dict[str, Any]:
+    """Paired deltas of the policy's summaries: mean dead experts, min entropy, mean CV (x100)."""
+    def agg(side: str) -> dict[str, np.ndarray]:
+        return {
+            "dead_experts": np.mean([o[side]["dead_experts"] for o in occ_samples], axis=0),
+            "min_entropy": np.min([o[side]["router_entropy"] for o in occ_samples], axis=0),
+            "mean_cv": 100.0 * np.mean([o[side]["load_cv"] for o in occ_samples], axis=0),
+        }
+
+    now, base = agg("now"), agg("base")
+    out: dict[str, Any] = {}
+    for key in now:
+        diff = now[key] - base[key]
+        out[f"{key}_delta"] = float(diff[0])
+        out[f"{key}_delta_ci"] = list(percentile_ci(diff[1:], level))
+    return out
 
 
 def reference_from_report(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -267,7 +267,9 @@ def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[st
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
     problems = []
-    for key in ("handoff_margin", "refine_margin", "handoff_layer", "refine_layer", "c2_delta", "c2_delta_ci"):
+    for key in ("handoff_margin", "refine_margin", "handoff_layer", "refine_layer", "c2_delta", "c2_delta_ci",
+                "dead_experts_delta", "dead_experts_delta_ci", "min_entropy_delta", "min_entropy_delta_ci",
+                "mean_cv_delta", "mean_cv_delta_ci"):
         if not _close(stored.get(key), fresh[key]):
             problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
     for a, b in zip(stored["layers"], fresh["layers"]):

@@ -86,9 +86,13 @@ class GateSummary:
     resume: bool = False
     num_experts: int | None = None
     c2_delta_ci: tuple[float, float] | None = None
+    dead_experts_delta_ci: tuple[float, float] | None = None
+    min_entropy_delta_ci: tuple[float, float] | None = None
+    mean_cv_delta_ci: tuple[float, float] | None = None
     layers: list[dict[str, Any]] = field(default_factory=list)
 
     REQUIRED = ("step", "c2", "dead_experts", "min_entropy", "mean_cv")
+    CI_FIELDS = ("c2_delta_ci", "dead_experts_delta_ci", "min_entropy_delta_ci", "mean_cv_delta_ci")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateSummary:
@@ -113,21 +117,26 @@ class GateSummary:
         resume = data.get("resume", False)
         if not isinstance(resume, bool):
             raise PolicyInputError(f"field 'resume' must be true or false, got {resume!r}")
-        ci = data.get("c2_delta_ci")
-        if ci is not None:
+        cis = {}
+        for key in cls.CI_FIELDS:
+            ci = data.get(key)
+            if ci is None or (isinstance(ci, (list, tuple)) and None in ci):
+                cis[key] = None
+                continue
             if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci)):
-                raise PolicyInputError(f"field 'c2_delta_ci' must be [low, high], got {ci!r}")
-            ci = (float(ci[0]), float(ci[1]))
+                raise PolicyInputError(f"field '{key}' must be [low, high], got {ci!r}")
+            cis[key] = (float(ci[0]), float(ci[1]))
         layers = data.get("layers", [])
         if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
             raise PolicyInputError("field 'layers' must be a list of objects")
         num = data.get("num_experts")
-        return cls(step=step, resume=resume, c2_delta_ci=ci, layers=layers,
-                   num_experts=int(num) if isinstance(num, int) else None, **values)
+        return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
+                   **values, **cis)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["c2_delta_ci"] = list(self.c2_delta_ci) if self.c2_delta_ci else None
+        for key in self.CI_FIELDS:
+            d[key] = list(d[key]) if d[key] else None
         return d
 
 
@@ -191,13 +200,16 @@ class GatePolicy:
 
     # --- reading -----------------------------------------------------------------------------
     def _occupancy(self, g: GateSummary, ref: dict[str, Any]) -> str:
+        """Degrading when a proxy moved the bad way beyond tolerance (and, with paired CIs, the CI excludes 0)."""
         c = self.cfg
-        degrading = (
-            g.dead_experts > ref["dead_experts"] + c.dead_tol
-            or g.min_entropy < ref["min_entropy"] - c.entropy_tol
-            or g.mean_cv > ref["mean_cv"] + c.cv_tol
-        )
-        return "degrading" if degrading else "healthy"
+        use = c.use_ci
+        dead = g.dead_experts > ref["dead_experts"] + c.dead_tol and not (
+            use and g.dead_experts_delta_ci is not None and g.dead_experts_delta_ci[0] <= 0)
+        entropy = g.min_entropy < ref["min_entropy"] - c.entropy_tol and not (
+            use and g.min_entropy_delta_ci is not None and g.min_entropy_delta_ci[1] >= 0)
+        cv = g.mean_cv > ref["mean_cv"] + c.cv_tol and not (
+            use and g.mean_cv_delta_ci is not None and g.mean_cv_delta_ci[0] <= 0)
+        return "degrading" if (dead or entropy or cv) else "healthy"
 
     def _repaired(self, g: GateSummary, prev: dict[str, Any]) -> bool:
         """Occupancy repair vs the previous gate: every proxy better beyond tolerance (none worse)."""

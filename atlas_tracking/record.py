@@ -87,8 +87,9 @@ def gate_record(
     if report.drift is not None:
         record["handoff_margin"] = report.drift["handoff_margin"]
         record["refine_margin"] = report.drift["refine_margin"]
-        record["c2_delta"] = report.drift["c2_delta"]
-        record["c2_delta_ci"] = report.drift["c2_delta_ci"]
+        for key in ("c2", "dead_experts", "min_entropy", "mean_cv"):
+            record[f"{key}_delta"] = report.drift[f"{key}_delta"]
+            record[f"{key}_delta_ci"] = report.drift[f"{key}_delta_ci"]
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")
     if baseline_path is not None:
         record["baseline_path"] = baseline_path

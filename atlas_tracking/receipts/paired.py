@@ -8,16 +8,14 @@ Example:
     >>> from atlas_tracking.receipts.stats import bootstrap_indices
     >>> idx = bootstrap_indices(3, 100, 0)
     >>> loads0 = np.array([[2, 0], [2, 0], [1, 1]])
-    >>> out = occupancy_deltas(loads0, loads0, idx, 0.95)
-    >>> out["dead_experts_delta"], out["dead_experts_delta_ci"]
-    (0.0, [0.0, 0.0])
+    >>> out = occupancy_samples(loads0, loads0, idx)
+    >>> float(out["now"]["dead_experts"][0]), bool((out["now"]["load_cv"] == out["base"]["load_cv"]).all())
+    (0.0, True)
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from atlas_tracking.receipts.stats import percentile_ci
 
 
 def _occupancy_stats(loads: np.ndarray) -> dict[str, np.ndarray]:
@@ -32,18 +30,12 @@ def _occupancy_stats(loads: np.ndarray) -> dict[str, np.ndarray]:
     return {"dead_experts": (loads == 0).sum(axis=1).astype(np.float64), "router_entropy": ent, "load_cv": cv}
 
 
-def occupancy_deltas(loads_now: np.ndarray, loads_base: np.ndarray, idx: np.ndarray, level: float) -> dict:
-    """``now - base`` of dead experts, router entropy and load CV, with paired window-bootstrap CIs.
+def occupancy_samples(loads_now: np.ndarray, loads_base: np.ndarray, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Occupancy statistics of both gates: the full canary (index 0) then every window resample.
 
     ``loads_*`` are per-window expert loads ``[W, E]``; ``idx`` are bootstrap window indices.
+    Returns ``{"now": {stat: [1 + R]}, "base": {...}}``.
     """
     mult = np.stack([np.bincount(row, minlength=loads_now.shape[0]) for row in idx]).astype(np.float64)
-    full_now = _occupancy_stats(loads_now.sum(axis=0, keepdims=True))
-    full_base = _occupancy_stats(loads_base.sum(axis=0, keepdims=True))
-    res_now = _occupancy_stats(mult @ loads_now)
-    res_base = _occupancy_stats(mult @ loads_base)
-    out: dict = {}
-    for key in full_now:
-        out[f"{key}_delta"] = float(full_now[key][0] - full_base[key][0])
-        out[f"{key}_delta_ci"] = list(percentile_ci(res_now[key] - res_base[key], level))
-    return out
+    mult = np.vstack([np.ones((1, loads_now.shape[0])), mult])
+    return {"now": _occupancy_stats(mult @ loads_now), "base": _occupancy_stats(mult @ loads_base)}
