@@ -106,9 +106,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
-    from atlas_tracking import compare, replay
+    from atlas_tracking import compare, replay, report
 
-    return [compare.register, replay.register]
+    return [compare.register, replay.register, report.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -162,6 +162,8 @@ class GateConfig:
     """When gates run and what they keep."""
 
     every_n_validations: int = 1
+    baseline_at_start: bool = True
+    """Measure the baseline when training starts (the paper's step-0 baseline), before any update."""
     checkpoint_on_green: bool = False
     keep_green_checkpoints: int = 3
     log_per_layer: bool = True

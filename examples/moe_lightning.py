@@ -53,11 +53,12 @@ class MoELM(pl.LightningModule):
     """
 
     def __init__(self, model=None, lr: float = 3e-3, aux_coef: float = 0.02, freeze_routed: bool = False,
-                 clip: float = 1.0):
+                 clip: float = 1.0, cosine_steps: int = 0, min_lr_ratio: float = 0.1):
         super().__init__()
         self.model = model if model is not None else build_qwen3_moe(aux_coef=aux_coef)
         self.model.router_aux_loss_coef = aux_coef
         self.lr, self.clip = lr, clip
+        self.cosine_steps, self.min_lr_ratio = cosine_steps, min_lr_ratio
         self.set_frozen(freeze_routed)
 
     def set_frozen(self, freeze_routed: bool) -> None:
@@ -79,7 +80,16 @@ class MoELM(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        if not self.cosine_steps:
+            return opt
+        total, floor = self.cosine_steps, self.min_lr_ratio
+
+        def factor(step: int) -> float:
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.clip and math.isfinite(self.clip):

@@ -124,6 +124,8 @@ class AtlasCallback(pl.Callback):
             self._apply_restored(self._restored)
             self._restored = None
             self.gate.catch_up(int(trainer.global_step))
+        elif self.gate is not None and self.config.gate.baseline_at_start and self.gate.baseline_path is None:
+            self._gate(int(trainer.global_step), None)
 
     def _apply_restored(self, state: dict[str, Any]) -> None:
         assert self.gate is not None
@@ -147,15 +149,22 @@ class AtlasCallback(pl.Callback):
         if self._validations % self.config.gate.every_n_validations != 0:
             return
         step = int(trainer.global_step)
+        record = self._gate(step, self._loss(trainer))
+        if record is None:
+            return
+        if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
+            self._save_green(trainer, step)
+
+    def _gate(self, step: int, loss: float | None) -> dict[str, Any] | None:
+        assert self.gate is not None
         try:
-            record = self.gate.run(step, loss=self._loss(trainer))
+            record = self.gate.run(step, loss=loss)
         except Exception as exc:  # monitoring must never stop training
             self.gate.record_failure(step, exc)
             rank_zero_warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
-            return
+            return None
         self.last_record = record
-        if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
-            self._save_green(trainer, step)
+        return record
 
     def _save_green(self, trainer: pl.Trainer, step: int) -> None:
         """Geometry-aware checkpoint: keep the last N GREEN/clean states (paper 7.5)."""

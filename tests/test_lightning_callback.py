@@ -35,20 +35,23 @@ def test_fit_writes_gates_baseline_and_verifiable_receipts(tmp_path):
     train, val = tiny_data(30)
     _trainer(tmp_path, 30, [cb], enable_checkpointing=False).fit(tiny_module(), train, val)
     records = _records(tmp_path)
-    assert [r["step"] for r in records] == [10, 20, 30]
-    assert records[0]["status"] == "BASELINE" and all(r["status"] != "BASELINE" for r in records[1:])
+    assert [r["step"] for r in records] == [0, 10, 20, 30]
+    assert records[0]["status"] == "BASELINE" and records[0]["loss"] is None
+    assert all(r["status"] != "BASELINE" for r in records[1:])
     assert (tmp_path / "atlas" / "baseline" / "manifest.json").exists()
-    assert all(r["loss"] is not None and r["canary_fingerprint"] == tiny_canary().fingerprint for r in records)
+    assert all(r["loss"] is not None and r["canary_fingerprint"] == tiny_canary().fingerprint for r in records[1:])
     for step in (10, 20, 30):
         assert verify(read_artifact(tmp_path / "atlas" / "receipts" / f"step_{step:08d}.json")) == []
     assert records[1]["refine_margin"] is not None and "coord_drift" in records[1]["layers"][0]
 
 
 def test_every_n_validations_and_no_sanity_gate(tmp_path):
-    cb = AtlasCallback(canary=tiny_canary(), config={**QUIET, "gate": {"every_n_validations": 2}})
+    cfg = {**QUIET, "gate": {"every_n_validations": 2, "baseline_at_start": False}}
+    cb = AtlasCallback(canary=tiny_canary(), config=cfg)
     train, val = tiny_data(40)
     _trainer(tmp_path, 40, [cb], enable_checkpointing=False).fit(tiny_module(), train, val)
-    assert [r["step"] for r in _records(tmp_path)] == [20, 40]
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [20, 40] and records[0]["status"] == "BASELINE"
 
 
 def test_resume_gate_is_a_baseline_and_no_record_is_duplicated_or_lost(tmp_path):
@@ -56,16 +59,16 @@ def test_resume_gate_is_a_baseline_and_no_record_is_duplicated_or_lost(tmp_path)
     train, val = tiny_data(40)
     _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET), ckpt]).fit(tiny_module(), train, val)
     before = _records(tmp_path)
-    assert [r["step"] for r in before] == [10, 20]
+    assert [r["step"] for r in before] == [0, 10, 20]
     cb2 = AtlasCallback(canary=tiny_canary(), config=QUIET)
     ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10)
     _trainer(tmp_path, 40, [cb2, ckpt2]).fit(tiny_module(seed=1), train, val, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     records = _records(tmp_path)
-    assert [r["step"] for r in records] == [10, 20, 30, 40]
-    assert records[2]["status"] == "BASELINE" and records[2]["resume"] is True
-    assert records[2]["stage_before_resume"] == before[1]["stage"]
-    assert any(a["key"] == "resume_baseline" for a in records[2]["alerts"])
-    assert records[3]["status"] in ("GREEN", "YELLOW", "RED") and records[3]["baseline_step"] == 30
+    assert [r["step"] for r in records] == [0, 10, 20, 30, 40]
+    assert records[3]["status"] == "BASELINE" and records[3]["resume"] is True
+    assert records[3]["stage_before_resume"] == before[2]["stage"]
+    assert any(a["key"] == "resume_baseline" for a in records[3]["alerts"])
+    assert records[4]["status"] in ("GREEN", "YELLOW", "RED") and records[4]["baseline_step"] == 30
 
 
 def test_failing_gate_does_not_stop_training(tmp_path):
@@ -75,11 +78,11 @@ def test_failing_gate_does_not_stop_training(tmp_path):
             self.gate.canary = None  # any failure inside a gate
 
     train, val = tiny_data(20)
-    with pytest.warns(UserWarning, match="atlas gate at step 10 failed"):
+    with pytest.warns(UserWarning, match="atlas gate at step 0 failed"):
         _trainer(tmp_path, 20, [Broken(canary=tiny_canary(), config=QUIET)], enable_checkpointing=False).fit(
             tiny_module(), train, val)
     errors = (tmp_path / "atlas" / "errors.jsonl").read_text().splitlines()
-    assert [json.loads(e)["step"] for e in errors] == [10, 20]
+    assert [json.loads(e)["step"] for e in errors] == [0, 10, 20]
 
 
 def test_model_without_routed_layers_is_a_clear_error(tmp_path):

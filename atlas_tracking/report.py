@@ -1,0 +1,212 @@
+"""``atlas-tracking report``: a self-contained HTML page (and PNGs) for a run or one receipts file.
+
+For a run directory (``<run>/atlas/gates.jsonl``): loss and C2 against step (seeds/000 figure 4),
+dead experts per gate, per-layer C2 of the last gate grouped early / mid / late (figure 5), the
+stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
+gate. For a receipts JSON: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
+the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.gate_report import read_artifact, write_atomic
+from atlas_tracking.record import STAGE_CODES
+
+STATUS_COLORS = {"BASELINE": "#7f8c8d", "GREEN": "#2e8b57", "YELLOW": "#d4a017", "RED": "#c0392b"}
+STAGE_ORDER = ["baseline", "clean", "recovering", "revoked", "alert", "prepare", "intervene"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def load_run(path: Path) -> list[dict[str, Any]]:
+    """Gate records of a run directory (``<run>/atlas/gates.jsonl`` or ``<dir>/gates.jsonl``)."""
+    for candidate in (path / "atlas" / "gates.jsonl", path / "gates.jsonl", path):
+        if candidate.is_file():
+            return [json.loads(line) for line in candidate.read_text().splitlines() if line.strip()]
+    raise FileNotFoundError(f"no gates.jsonl under {path}")
+
+
+def _fig_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def fig_loss_c2(recs: list[dict[str, Any]]) -> bytes:
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    pts = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
+    if pts:
+        ax1.plot(*zip(*pts), "o-", color="#34495e")
+    ax1.set_ylabel("loss")
+    ax1.set_title("Objective (top) and co-active overlap compatibility C2 (bottom)")
+    steps = [r["step"] for r in recs]
+    ax2.plot(steps, [r.get("c2") for r in recs], "o-", color="#e67e22", label="C2 (mean over layers)")
+    base = [r for r in recs if r.get("status") == "BASELINE"]
+    for b in base:
+        ax2.axhline(b.get("c2"), color="#7f8c8d", ls="--", lw=0.8)
+    ax2.set_ylabel("C2")
+    ax2.set_xlabel("step")
+    ax2.legend(loc="best", fontsize=8)
+    return _fig_png(fig)
+
+
+def fig_dead(recs: list[dict[str, Any]]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    steps = [str(r["step"]) for r in recs]
+    colors = [STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs]
+    ax.bar(steps, [r.get("dead_experts") or 0 for r in recs], color=colors)
+    ax.set_ylabel("dead experts / layer")
+    ax.set_xlabel("gate step (colour = status)")
+    ax.set_title("Dead experts per gate")
+    return _fig_png(fig)
+
+
+def layer_groups(n: int) -> list[str]:
+    """'early', 'mid', 'late' thirds of the routed layers."""
+    return ["early" if i < n / 3 else "mid" if i < 2 * n / 3 else "late" for i in range(n)]
+
+
+def fig_layer_c2(layers: list[dict[str, Any]], title: str) -> bytes:
+    plt = _plt()
+    groups = layer_groups(len(layers))
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(layers) + 1)))
+    values = [lay.get("c2") or 0.0 for lay in layers]
+    palette = {"early": "#5dade2", "mid": "#e67e22", "late": "#8e44ad"}
+    ax.barh([f"{g}: {lay.get('name')}" for g, lay in zip(groups, layers)], values,
+            color=[palette[g] for g in groups])
+    ax.axvline(0, color="black", lw=0.6)
+    ax.invert_yaxis()
+    ax.set_xlabel("C2")
+    ax.set_title(title)
+    return _fig_png(fig)
+
+
+def fig_timeline(recs: list[dict[str, Any]]) -> bytes:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    steps = [r["step"] for r in recs]
+    levels = [STAGE_CODES.get(r.get("stage"), 0) for r in recs]
+    ax.step(steps, levels, where="post", color="#95a5a6")
+    ax.scatter(steps, levels, c=[STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs], zorder=3, s=40)
+    for r, y in zip(recs, levels):
+        for a in r.get("alerts", []):
+            ax.annotate(a["level"], (r["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
+                        fontsize=7, color="#c0392b" if a["level"] == "ERROR" else "#7d6608")
+    ax.set_yticks(range(len(STAGE_ORDER)))
+    ax.set_yticklabels(STAGE_ORDER, fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_title("Stage timeline (dots coloured by status; alert levels annotated)")
+    return _fig_png(fig)
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return html.escape("-" if v is None else str(v))
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
+th{background:#f4f4f4}img{max-width:100%;display:block;margin:1em 0}.claims li{margin:.2em 0}
+.status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"""
+
+
+def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, bytes]]:
+    """The HTML page and its figures for a run's gate records."""
+    last = recs[-1]
+    figures = {
+        "loss_c2.png": fig_loss_c2(recs),
+        "dead_experts.png": fig_dead(recs),
+        "layer_c2.png": fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / mid / late)"),
+        "stage_timeline.png": fig_timeline(recs),
+    }
+    rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
+             r.get("margin"), r.get("status"), r.get("stage"), "; ".join(a["title"] for a in r.get("alerts", []))]
+            for r in recs]
+    color = STATUS_COLORS.get(last.get("status"), "#555")
+    licensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("licensed", []))
+    unlicensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("unlicensed", []))
+    body = f"""<h1>{html.escape(title)}</h1>
+<p>Last gate: step {last['step']} <span class="status" style="background:{color}">{html.escape(str(last.get('status')))}</span>
+stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('action', '')))}</p>
+<p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
+<h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
+<h2>Dead experts</h2>{_img(figures['dead_experts.png'], 'dead experts per gate')}
+<h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
+<h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
+<h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
+<b>Not licensed</b><ul>{unlicensed}</ul><b>First intervention:</b> {html.escape(str(last.get('intervention')))}</div>
+<h2>Gates</h2>{_table(['step', 'loss', 'c2', 'dead', 'min H', 'cv', 'margin', 'status', 'stage', 'alerts'], rows)}"""
+    return _page(title, body), figures
+
+
+def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
+    """The HTML page for one receipts artifact."""
+    layers = [{"name": lay["name"], **lay["receipts"]} for lay in data["layers"]]
+    figures = {"layer_c2.png": fig_layer_c2(layers, "Per-layer C2 (early / mid / late)")}
+    keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
+    rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
+    body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}"
+            f"{_table(['layer', *keys], rows)}<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
+    return _page(title, body), figures
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>{body}</body></html>")
+
+
+def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None) -> Path:
+    """Write the HTML report for a run directory or a receipts JSON (and the PNGs when asked)."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".json":
+        page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
+    else:
+        page, figures = run_page(load_run(source), f"atlas run: {source.name}")
+    if png_dir is not None:
+        png_dir = Path(png_dir)
+        png_dir.mkdir(parents=True, exist_ok=True)
+        for name, png in figures.items():
+            (png_dir / name).write_bytes(png)
+    return write_atomic(Path(out), page)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = write_report(args.source, args.out, args.png_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="self-contained HTML report of a run directory or a receipts JSON")
+    p.add_argument("source", help="run directory (with atlas/gates.jsonl) or receipts.json")
+    p.add_argument("--out", required=True, help="HTML file to write")
+    p.add_argument("--png-dir", help="also write the figures as PNG files here")
+    p.set_defaults(func=cmd_report)
