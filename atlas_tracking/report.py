@@ -12,25 +12,19 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import io
 import json
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking.figures import (
+    STATUS_COLORS,
+    fig_dead,
+    fig_layer_c2,
+    fig_loss_c2,
+    fig_timeline,
+    png_bytes,
+)
 from atlas_tracking.gate_report import read_artifact, write_atomic
-from atlas_tracking.record import STAGE_CODES
-
-STATUS_COLORS = {"BASELINE": "#7f8c8d", "GREEN": "#2e8b57", "YELLOW": "#d4a017", "RED": "#c0392b"}
-STAGE_ORDER = ["baseline", "clean", "recovering", "revoked", "alert", "prepare", "intervene"]
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def load_run(path: Path) -> list[dict[str, Any]]:
@@ -39,82 +33,6 @@ def load_run(path: Path) -> list[dict[str, Any]]:
         if candidate.is_file():
             return [json.loads(line) for line in candidate.read_text().splitlines() if line.strip()]
     raise FileNotFoundError(f"no gates.jsonl under {path}")
-
-
-def _fig_png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    return buf.getvalue()
-
-
-def fig_loss_c2(recs: list[dict[str, Any]]) -> bytes:
-    plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    pts = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
-    if pts:
-        ax1.plot(*zip(*pts), "o-", color="#34495e")
-    ax1.set_ylabel("loss")
-    ax1.set_title("Objective (top) and co-active overlap compatibility C2 (bottom)")
-    steps = [r["step"] for r in recs]
-    ax2.plot(steps, [r.get("c2") for r in recs], "o-", color="#e67e22", label="C2 (mean over layers)")
-    base = [r for r in recs if r.get("status") == "BASELINE"]
-    for b in base:
-        ax2.axhline(b.get("c2"), color="#7f8c8d", ls="--", lw=0.8)
-    ax2.set_ylabel("C2")
-    ax2.set_xlabel("step")
-    ax2.legend(loc="best", fontsize=8)
-    return _fig_png(fig)
-
-
-def fig_dead(recs: list[dict[str, Any]]) -> bytes:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 2.8))
-    steps = [str(r["step"]) for r in recs]
-    colors = [STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs]
-    ax.bar(steps, [r.get("dead_experts") or 0 for r in recs], color=colors)
-    ax.set_ylabel("dead experts / layer")
-    ax.set_xlabel("gate step (colour = status)")
-    ax.set_title("Dead experts per gate")
-    return _fig_png(fig)
-
-
-def layer_groups(n: int) -> list[str]:
-    """'early', 'mid', 'late' thirds of the routed layers."""
-    return ["early" if i < n / 3 else "mid" if i < 2 * n / 3 else "late" for i in range(n)]
-
-
-def fig_layer_c2(layers: list[dict[str, Any]], title: str) -> bytes:
-    plt = _plt()
-    groups = layer_groups(len(layers))
-    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(layers) + 1)))
-    values = [lay.get("c2") or 0.0 for lay in layers]
-    palette = {"early": "#5dade2", "mid": "#e67e22", "late": "#8e44ad"}
-    ax.barh([f"{g}: {lay.get('name')}" for g, lay in zip(groups, layers)], values,
-            color=[palette[g] for g in groups])
-    ax.axvline(0, color="black", lw=0.6)
-    ax.invert_yaxis()
-    ax.set_xlabel("C2")
-    ax.set_title(title)
-    return _fig_png(fig)
-
-
-def fig_timeline(recs: list[dict[str, Any]]) -> bytes:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 2.8))
-    steps = [r["step"] for r in recs]
-    levels = [STAGE_CODES.get(r.get("stage"), 0) for r in recs]
-    ax.step(steps, levels, where="post", color="#95a5a6")
-    ax.scatter(steps, levels, c=[STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs], zorder=3, s=40)
-    for r, y in zip(recs, levels):
-        for a in r.get("alerts", []):
-            ax.annotate(a["level"], (r["step"], y), textcoords="offset points", xytext=(0, 8), ha="center",
-                        fontsize=7, color="#c0392b" if a["level"] == "ERROR" else "#7d6608")
-    ax.set_yticks(range(len(STAGE_ORDER)))
-    ax.set_yticklabels(STAGE_ORDER, fontsize=8)
-    ax.set_xlabel("step")
-    ax.set_title("Stage timeline (dots coloured by status; alert levels annotated)")
-    return _fig_png(fig)
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -142,10 +60,11 @@ def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, byt
     """The HTML page and its figures for a run's gate records."""
     last = recs[-1]
     figures = {
-        "loss_c2.png": fig_loss_c2(recs),
-        "dead_experts.png": fig_dead(recs),
-        "layer_c2.png": fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / mid / late)"),
-        "stage_timeline.png": fig_timeline(recs),
+        "loss_c2.png": png_bytes(fig_loss_c2(recs)),
+        "dead_experts.png": png_bytes(fig_dead(recs)),
+        "layer_c2.png": png_bytes(
+            fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / mid / late)")),
+        "stage_timeline.png": png_bytes(fig_timeline(recs)),
     }
     rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
              r.get("margin"), r.get("status"), r.get("stage"), "; ".join(a["title"] for a in r.get("alerts", []))]
@@ -170,7 +89,7 @@ stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('a
 def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
     """The HTML page for one receipts artifact."""
     layers = [{"name": lay["name"], **lay["receipts"]} for lay in data["layers"]]
-    figures = {"layer_c2.png": fig_layer_c2(layers, "Per-layer C2 (early / mid / late)")}
+    figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / mid / late)"))}
     keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
     rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
     body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}"

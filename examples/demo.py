@@ -107,10 +107,9 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
     Returns the final module and, for an interrupted run, the weights at the interruption.
     """
     import lightning.pytorch as pl
+    from atlas_tracking.integrations.lightning import AtlasCallback
     from lightning.pytorch.callbacks import ModelCheckpoint
     from moe_lightning import MoELM, build_qwen3_moe, loaders
-
-    from atlas_tracking.integrations.lightning import AtlasCallback
 
     run_dir = out / phase.name
     shutil.rmtree(run_dir, ignore_errors=True)

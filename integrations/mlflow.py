@@ -1,0 +1,102 @@
+"""MLflow delivery: ``log_batch`` metrics, status/stage tags, gate JSON and figures as artifacts,
+and alerts as tags plus an ``atlas/alerts.jsonl`` artifact (MLflow has no run alerts of its own).
+
+``MlflowSink`` works with a Lightning ``MLFlowLogger`` (its ``experiment`` is an ``MlflowClient``)
+or an explicit client and run id. Errors (a tracking server that is down) propagate, so that
+:class:`atlas_tracking.sinks.Delivery` keeps the items and replays them when the server is back.
+mlflow is imported lazily. MLflow 3 refuses the plain file store: use ``sqlite:///...`` or a server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+_KEY_OK = re.compile(r"[^A-Za-z0-9_\-./ ]")
+
+
+def mlflow_key(key: str) -> str:
+    """A metric key MLflow accepts (letters, digits, ``_ - . / space``); others become ``_``.
+
+    >>> mlflow_key("atlas/boundary_mass@0.01")
+    'atlas/boundary_mass_0.01'
+    """
+    return _KEY_OK.sub("_", key)
+
+
+class MlflowSink:
+    """Deliver atlas gates and alerts to one MLflow run.
+
+    Args:
+        client: an ``mlflow.tracking.MlflowClient`` (with ``run_id``).
+        run_id: the run to log into.
+        logger: a Lightning ``MLFlowLogger`` (client and run id are taken from it).
+        tracking_uri: build a client for this URI when no client or logger is given.
+        figures: log the per-layer C2 bar chart and the C2 heatmap as artifacts at every gate.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, client: Any = None, run_id: str | None = None, logger: Any = None,
+                 tracking_uri: str | None = None, figures: bool = True):
+        if logger is None and run_id is None:
+            raise ValueError("MlflowSink needs a Lightning MLFlowLogger or a run_id (with a client or tracking_uri)")
+        if client is None and logger is None:
+            if tracking_uri is None:
+                raise ValueError("MlflowSink needs a client, a logger or a tracking_uri")
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=tracking_uri)
+        self._client, self._run_id, self.logger = client, run_id, logger
+        self.figures = figures
+        self._alerts: list[dict[str, Any]] = []
+        self._c2_history: list[tuple[int, list[float | None]]] = []
+        self._layer_names: list[str] = []
+
+    @property
+    def client(self) -> Any:
+        return self._client if self._client is not None else self.logger.experiment
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id if self._run_id is not None else self.logger.run_id
+
+    def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
+        tags = [RunTag("atlas.status", str(record.get("status"))), RunTag("atlas.stage", str(record.get("stage"))),
+                RunTag("atlas.action", str(record.get("action", ""))[:5000]), RunTag("atlas.last_gate_step", str(step))]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000], tags=tags if i == 0 else [])
+        if not batch:
+            self.client.log_batch(self.run_id, tags=tags)
+        self.client.log_text(self.run_id, json.dumps(record, indent=1, allow_nan=False),
+                             f"atlas/gates/step_{step:08d}.json")
+        layers = record.get("layers", [])
+        self._c2_history.append((step, [lay.get("c2") for lay in layers]))
+        self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
+        if self.figures and layers:
+            from atlas_tracking.figures import fig_c2_heatmap, fig_layer_c2, pyplot
+
+            for fig, name in ((fig_layer_c2(layers, f"C2 per layer, step {step}"), f"c2_by_layer_{step:08d}.png"),
+                              (fig_c2_heatmap(self._c2_history, self._layer_names), "c2_heatmap.png")):
+                self.client.log_figure(self.run_id, fig, f"atlas/figures/{name}")
+                pyplot().close(fig)
+
+    def alert(self, event: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self._alerts.append(event)
+        tags = [RunTag("atlas.alert.level", event["level"]), RunTag("atlas.alert.title", event["title"]),
+                RunTag("atlas.alert.step", str(event["step"])), RunTag("atlas.alert.count", str(len(self._alerts)))]
+        self.client.log_batch(self.run_id, tags=tags)
+        text = "".join(json.dumps(a, allow_nan=False) + "\n" for a in self._alerts)
+        self.client.log_text(self.run_id, text, "atlas/alerts.jsonl")
+
+    def finish(self) -> None:
+        """Nothing to close: the run belongs to whoever created it."""
+        return None

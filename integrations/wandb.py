@@ -1,0 +1,180 @@
+"""W&B delivery: metrics, per-layer tables and charts, a C2 heatmap, and ``run.alert`` for alerts.
+
+``WandbSink`` works with a ``wandb`` run or a Lightning ``WandbLogger`` (then metrics go through
+``logger.log_metrics`` so their x-axis is ``trainer/global_step``). ``read_wandb_offline``
+decodes an offline run's ``.wandb`` file with wandb's own protobuf records, so an offline run
+can be checked without a server. wandb is imported lazily.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
+                 "ov_cf", "v2_c1", "v2_c2", "coord_drift", "boundary_drift", "content_drift", "c2_delta")
+STEP_KEY = "trainer/global_step"
+
+
+class WandbSink:
+    """Deliver atlas gates and alerts to a W&B run.
+
+    Args:
+        run: a ``wandb`` run (from ``wandb.init``).
+        logger: a Lightning ``WandbLogger`` (its ``experiment`` is the run).
+        per_layer_table: log a per-layer table and bar charts of C2 and dead experts at every gate.
+        heatmap: log a layers x gates heatmap image of C2 built from the gates seen so far.
+    """
+
+    name = "wandb"
+
+    def __init__(self, run: Any = None, logger: Any = None, per_layer_table: bool = True, heatmap: bool = True):
+        if run is None and logger is None:
+            raise ValueError("WandbSink needs a wandb run (wandb.init(...)) or a Lightning WandbLogger")
+        self._run, self.logger = run, logger
+        self.per_layer_table, self.heatmap = per_layer_table, heatmap
+        self._defined = False
+        self._history: list[tuple[int, list[float | None]]] = []
+        self._layer_names: list[str] = []
+
+    @property
+    def run(self) -> Any:
+        return self._run if self._run is not None else self.logger.experiment
+
+    def _define(self) -> None:
+        run = self.run
+        run.define_metric(STEP_KEY)
+        run.define_metric("atlas/*", step_metric=STEP_KEY)
+        self._defined = True
+
+    def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        import wandb
+
+        if not self._defined:
+            self._define()
+        payload: dict[str, Any] = dict(metrics)
+        layers = record.get("layers", [])
+        if self.per_layer_table and layers:
+            rows = [[lay.get("name"), lay.get("ordinal"), lay.get("protected")] + [lay.get(k) for k in TABLE_COLUMNS[3:]]
+                    for lay in layers]
+            table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
+            payload["atlas/layers"] = table
+            payload["atlas/c2_by_layer"] = wandb.plot.bar(table, "layer", "c2", title=f"C2 per layer (step {step})")
+            payload["atlas/dead_by_layer"] = wandb.plot.bar(table, "layer", "dead_experts",
+                                                            title=f"Dead experts per layer (step {step})")
+        status = wandb.Table(columns=["step", "status", "stage", "action"],
+                             data=[[step, record.get("status"), record.get("stage"), record.get("action")]])
+        payload["atlas/gate"] = status
+        self._history.append((step, [lay.get("c2") for lay in layers]))
+        self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
+        if self.heatmap and layers:
+            payload["atlas/c2_heatmap"] = wandb.Image(self._heatmap_png(), caption="C2: layers x gates")
+        if self.logger is not None:
+            self.logger.log_metrics(payload, step=step)
+        else:
+            self.run.log({**payload, STEP_KEY: step})
+        summary = self.run.summary
+        summary["atlas/status"] = record.get("status")
+        summary["atlas/stage"] = record.get("stage")
+
+    def _heatmap_png(self):
+        from PIL import Image
+
+        from atlas_tracking.figures import fig_c2_heatmap, png_bytes
+
+        return Image.open(io.BytesIO(png_bytes(fig_c2_heatmap(self._history, self._layer_names), dpi=90)))
+
+    def alert(self, event: dict[str, Any]) -> None:
+        import wandb
+
+        self.run.alert(
+            title=event["title"][:63], text=event["text"], level=getattr(wandb.AlertLevel, event["level"]),
+            wait_duration=timedelta(seconds=float(event.get("wait_duration_s", 60.0))),
+        )
+
+    def finish(self) -> None:
+        """Nothing to close: the run belongs to whoever created it."""
+        return None
+
+
+# --- reading an offline run back -----------------------------------------------------------------
+
+_BLOCK = 32768
+_HEADER = 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _payloads(path: Path):
+    """Record payloads of a ``.wandb`` file (a LevelDB-style log of 32 KiB blocks after a 7-byte header)."""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file (bad magic)")
+    pos, pending = _HEADER, b""
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        body = data[pos + _HEADER : pos + _HEADER + length]
+        pos += _HEADER + length
+        if kind == _FULL:
+            yield body
+        elif kind == _FIRST:
+            pending = body
+        elif kind == _MIDDLE:
+            pending += body
+        elif kind == _LAST:
+            yield pending + body
+            pending = b""
+
+
+def _put(target: dict[str, Any], item: Any, value: Any) -> None:
+    """Store a history/summary item; nested keys (e.g. a table's fields) become nested dicts."""
+    keys = [item.key] if item.key else list(item.nested_key)
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+    target[keys[-1]] = value
+
+
+def read_wandb_offline(run_dir: str | Path) -> dict[str, Any]:
+    """History rows, summary and alerts of an offline run, decoded with wandb's protobuf ``Record``.
+
+    ``run_dir`` is the ``offline-run-*`` directory (or the ``.wandb`` file itself).
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    path = Path(run_dir)
+    if path.is_dir():
+        files = sorted(path.glob("*.wandb"))
+        if not files:
+            raise FileNotFoundError(f"no .wandb file in {path}")
+        path = files[0]
+    history: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    alerts: list[dict[str, Any]] = []
+    for payload in _payloads(path):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(payload)
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row: dict[str, Any] = {}
+            for item in rec.history.item:
+                _put(row, item, json.loads(item.value_json))
+            if rec.history.HasField("step"):
+                row.setdefault("_step", rec.history.step.num)
+            history.append(row)
+        elif kind == "summary":
+            for item in rec.summary.update:
+                _put(summary, item, json.loads(item.value_json))
+        elif kind == "alert":
+            alerts.append({"title": rec.alert.title, "text": rec.alert.text, "level": rec.alert.level,
+                           "wait_duration": rec.alert.wait_duration})
+    return {"history": history, "summary": summary, "alerts": alerts, "file": str(path)}
