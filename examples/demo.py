@@ -137,12 +137,20 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
         trainer.fit(m, train_dl, val_dl, ckpt_path=ckpt_path)
         return m
 
-    if phase.resume_at is None:
-        return fit(phase.steps, None, make_loggers(run_dir, phase.name, trackers)), None
-    interrupted = fit(phase.resume_at, None, make_loggers(run_dir, phase.name, trackers))
-    weights = {k: v.detach().clone() for k, v in interrupted.model.state_dict().items()}
-    resumed = fit(phase.steps, str(run_dir / "checkpoints" / "last.ckpt"), make_loggers(run_dir, phase.name, trackers))
-    return resumed, weights
+    loggers = make_loggers(run_dir, phase.name, trackers)  # one W&B run and one MLflow run per phase
+    try:
+        if phase.resume_at is None:
+            return fit(phase.steps, None, loggers), None
+        interrupted = fit(phase.resume_at, None, loggers)
+        weights = {k: v.detach().clone() for k, v in interrupted.model.state_dict().items()}
+        return fit(phase.steps, str(run_dir / "checkpoints" / "last.ckpt"), loggers), weights
+    finally:
+        for logger in loggers:
+            logger.finalize("success")
+        if trackers:
+            import wandb
+
+            wandb.finish()
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
