@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import urllib.request
+import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +148,12 @@ class WebhookSink:
         return None
 
 
+def _warn(message: str) -> None:
+    """Tracker trouble is a Python warning (visible in any training loop) and a log line."""
+    log.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
 class Delivery:
     """Local record first, then every sink, each guarded with a replaying backlog."""
 
@@ -159,7 +166,7 @@ class Delivery:
     ):
         self.local = local
         self.sinks = list(sinks)
-        self.warn = warn or (lambda msg: log.warning(msg))
+        self.warn = warn or _warn
         self.backlog_limit = backlog_limit
         self._backlog: dict[str, deque] = {s.name: deque(maxlen=backlog_limit) for s in self.sinks}
         self._down: set[str] = set()

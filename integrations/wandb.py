@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -119,11 +120,15 @@ def _payloads(path: Path):
         if left < _HEADER:
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
         if kind == 0 and length == 0:
             pos += left
             continue
         body = data[pos + _HEADER : pos + _HEADER + length]
+        if len(body) < length:
+            return  # a torn tail (the run is still being written)
+        if zlib.crc32(body, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            raise ValueError(f"{path} is corrupted: record checksum mismatch at byte {pos}")
         pos += _HEADER + length
         if kind == _FULL:
             yield body
