@@ -25,7 +25,7 @@ def build_qwen3_moe(seed: int = 0, hidden: int = 64, layers: int = 4, experts: i
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
         num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=512, tie_word_embeddings=True,
-        output_router_logits=True, router_aux_loss_coef=aux_coef,
+        output_router_logits=aux_coef > 0, router_aux_loss_coef=aux_coef,
     )
     return Qwen3MoeForCausalLM(cfg)
 

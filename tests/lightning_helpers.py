@@ -17,8 +17,9 @@ from atlas_tracking import Canary  # noqa: E402
 PROSE = encode(prose_text())
 
 
-def tiny_module(seed: int = 0) -> MoELM:
-    return MoELM(build_qwen3_moe(seed=seed, hidden=32, layers=2, experts=8), lr=3e-3)
+def tiny_module(seed: int = 0, aux_coef: float = 0.02) -> MoELM:
+    model = build_qwen3_moe(seed=seed, hidden=32, layers=2, experts=8, aux_coef=aux_coef)
+    return MoELM(model, lr=3e-3, aux_coef=aux_coef)
 
 
 def tiny_data(steps: int, seed: int = 0):
