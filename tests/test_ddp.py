@@ -7,9 +7,8 @@ import warnings
 
 import lightning.pytorch as pl
 import pytest
-from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
-
 from atlas_tracking.integrations.lightning import AtlasCallback
+from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
