@@ -104,5 +104,5 @@ def test_model_without_routed_layers_names_the_searched_classes():
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(NoRoutedLayersError, match="no routed MoE layer found in LlamaForCausalLM.*Qwen3MoeSparseMoeBlock"):
+    with pytest.raises(NoRoutedLayersError, match=r"no routed MoE layer found in LlamaForCausalLM.*Qwen3MoeSparseMoeBlock"):
         find_routed_layers(model)

@@ -69,7 +69,7 @@ def _reference_layer(model, canary, name, q=0.1, deltas=(0.01,)):
         e_k = min(sel, key=lambda e: logits[t, e])
         e_k1 = max((e for e in range(E) if e not in sel), key=lambda e: logits[t, e])
         margins.append(logits[t, e_k] - logits[t, e_k1])
-        v = {e: field(t, e) for e in sel + [e_k1]}
+        v = {e: field(t, e) for e in [*sel, e_k1]}
         rho = {e: probs[t, e] / sum(probs[t, s] for s in sel) for e in sel}
         num = den = 0.0
         for a in sel:

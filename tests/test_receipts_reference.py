@@ -62,7 +62,7 @@ def test_kappa_pairs_and_c2(seed):
 
 
 def test_c2_needs_a_pair():
-    c2, ok = state2.c2_per_token(torch.ones(2, 1, 4), torch.ones(2, 1), torch.zeros(2, 1), 1.0, 1e-8)
+    _, ok = state2.c2_per_token(torch.ones(2, 1, 4), torch.ones(2, 1), torch.zeros(2, 1), 1.0, 1e-8)
     assert not ok.any()
 
 
@@ -225,7 +225,7 @@ def test_median_receipt_reference():
 def test_boundary_mass_of_a_linear_router_under_gaussian_input(mu_shift, delta):
     """seeds/003 Example 3.8: P(|a.x + b| <= delta) = Phi((delta-m)/s) - Phi((-delta-m)/s)."""
     rng = _rng(5)
-    d, n = 4, 200_000
+    n = 200_000
     a = np.array([0.8, -0.5, 0.3, 0.1])
     b = mu_shift
     cov = np.diag([1.0, 0.5, 2.0, 1.5])
