@@ -87,7 +87,7 @@ def test_unknown_family_is_an_error():
 
 
 def test_bad_config_key():
-    with pytest.raises(ValueError, match="unknown key 'receipts.bootstraps'"):
+    with pytest.raises(ValueError, match=r"unknown key 'receipts\.bootstraps'"):
         AtlasConfig.from_dict({"receipts": {"bootstraps": 5}})
 
 
