@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.adapters.base import RoutedLayer, Routing
 from atlas_tracking.anchors import AnchorPlan
 from atlas_tracking.config import ReceiptsConfig
 from atlas_tracking.receipts.consistency import set_overlap
@@ -26,8 +26,8 @@ from atlas_tracking.receipts.drift import (
     one_minus_cos,
 )
 from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
-from atlas_tracking.receipts.occupancy import count_cells, window_loads
-from atlas_tracking.receipts.state1 import boundary_set, set_margin
+from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
+from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set, set_margin
 from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, swap_jump
 
 _SUM_COUNT = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior", "d_random_boundary")
@@ -40,6 +40,7 @@ distribution, tangent-projected base fields of the active set, base boundary-set
 
 
 HASH_BITS = 24
+_MISSING = object()
 
 
 def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,23 @@ def random_competitor(
 
 
 @dataclass
+class Selection:
+    """One micro-batch's routing decision with its margins, boundary set and competitors."""
+
+    routing: Routing
+    sm: SetMargin
+    in_b: torch.Tensor
+    """``[N]`` boundary-set membership (``ceil(q T_w)`` smallest margins of each window)."""
+    b_pos: torch.Tensor
+    """Flat positions of a fixed number of boundary candidates per window."""
+    e_rand: torch.Tensor
+    """Random eligible competitor at each candidate (the random-e2 kill-shot)."""
+    rand_ok: torch.Tensor
+    """Candidate is in the boundary set and has a random competitor."""
+    nonfinite: torch.Tensor
+
+
+@dataclass
 class LayerAccumulator:
     """Per-window sums and counts of one layer, on the device, for the whole canary."""
 
@@ -79,7 +97,7 @@ class LayerAccumulator:
     deltas: list[float]
     device: torch.device
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)
-    cells: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    cells: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         w, e, d = self.n_windows, self.n_experts, self.device
@@ -103,13 +121,18 @@ class LayerAccumulator:
         for name in _DRIFT_COUNTERS:
             self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
 
+    def add_cells(self, active: torch.Tensor) -> None:
+        """Keep this micro-batch's active-set keys; they are counted once, at the end of the gate."""
+        self.cells.append(cell_keys(active, self.n_experts))
+
     def to_host(self) -> dict[str, Any]:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
         merged: dict[tuple[int, ...], int] = {}
-        for cells, counts in self.cells:
-            for row, c in zip(cells.cpu().tolist(), counts.cpu().tolist()):
-                merged[tuple(row)] = merged.get(tuple(row), 0) + int(c)
+        if self.cells:
+            cells, counts = count_cells(torch.cat(self.cells))
+            for key, c in zip(cells.cpu().tolist(), counts.cpu().tolist()):
+                merged[tuple(key) if isinstance(key, list) else (key,)] = int(c)
         host["cells"] = merged
         return host
 
@@ -139,6 +162,8 @@ class LayerCapture:
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
         self._router_out: Any = None
+        self._stash: tuple[Selection, tuple[torch.Tensor, ...]] | None = None
+        self._own_forward: Any = None
         self._handles: list[Any] = []
         self.calls = 0
 
@@ -149,12 +174,25 @@ class LayerCapture:
             self.layer.router.register_forward_hook(self._on_router),
             self.layer.block.register_forward_hook(self._on_block),
         ]
+        if self.cfg.fuse_experts:
+            experts = self.layer.experts
+            self._own_forward = experts.__dict__.get("forward", _MISSING)
+            self.layer.experts_forward = experts.forward
+            experts.forward = self._fused_experts
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._x = self._g = self._router_out = None
+        if self.cfg.fuse_experts and self._own_forward is not None:
+            experts = self.layer.experts
+            if self._own_forward is _MISSING:
+                del experts.forward
+            else:
+                experts.forward = self._own_forward
+            self._own_forward = None
+            self.layer.experts_forward = None
+        self._x = self._g = self._router_out = self._stash = None
 
     def _on_norm(self, module, inputs, output) -> None:
         self._x, self._g = inputs[0], output
@@ -166,14 +204,66 @@ class LayerCapture:
         if self._x is None or self._router_out is None:
             raise RuntimeError(f"{self.layer.name}: the norm or router hook did not fire before the MoE block")
         try:
-            self.compute(self._x, self._g, self._router_out, self.layer.block_output(output))
+            self.compute(self._x, self._g, self._router_out, self.layer.block_output(output), self._stash)
         finally:
-            self._x = self._g = self._router_out = None
+            self._x = self._g = self._router_out = self._stash = None
         self.calls += 1
 
+    def _fused_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Stand-in for the experts' forward during a gate: one call of the model's own experts
+        evaluates the active set, the adjacent and the random competitors; the active fields are
+        kept for the receipts and combined with the model's weights (in fp32) as the layer output."""
+        with torch.no_grad():
+            sel = self.select(self._router_out, hidden_states)
+            fields = self.evaluate(sel, hidden_states)
+            self._stash = (sel, fields)
+            out = (top_k_weights.float().unsqueeze(-1) * fields[0].float()).sum(dim=1)
+        return out.to(hidden_states.dtype)
+
     # --- receipts ---------------------------------------------------------------------------
+    def select(self, router_out: Any, g2: torch.Tensor) -> Selection:
+        """Routing, set margins, boundary set and competitors of one micro-batch (``g2`` is ``[N, d]``)."""
+        layer, cfg = self.layer, self.cfg
+        w0, w1 = self.windows
+        bw, seq = w1 - w0, self.acc.window
+        routing = layer.routing(router_out, g2)
+        logits = router_out[0] if isinstance(router_out, tuple) else router_out
+        sm = set_margin(routing.scores, routing.active)
+        in_b = boundary_set(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
+        # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
+        n_cand = max(1, boundary_count(seq, cfg.boundary_q))
+        keyed = torch.where(sm.valid.view(bw, seq), sm.margin.view(bw, seq), float("inf"))
+        local = torch.sort(keyed, dim=1, stable=True).indices[:, :n_cand]
+        b_pos = (local + torch.arange(bw, device=g2.device).view(-1, 1) * seq).reshape(-1)
+        draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
+        scores_b = routing.scores.index_select(0, b_pos)
+        e_rand, has_rand = random_competitor(
+            scores_b, routing.active.index_select(0, b_pos), sm.e_k1.index_select(0, b_pos), draws)
+        return Selection(
+            routing=routing, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
+            rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand,
+            nonfinite=~torch.isfinite(logits.float()).all(dim=-1),
+        )
+
+    def evaluate(self, sel: Selection, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unweighted fields of the active set ``[N, k, d]``, the adjacent competitor ``[N, d]`` and the
+        random competitor at the boundary candidates ``[M, d]``, in as few calls of the model's experts
+        as ``token_chunk`` allows (one per chunk)."""
+        n, k = sel.routing.active.shape
+        chosen = torch.cat([sel.routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
+        rows = torch.cat([g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1),
+                          g2.index_select(0, sel.b_pos)])
+        idx = torch.cat([chosen.reshape(-1), sel.e_rand])
+        step = self.cfg.token_chunk * (k + 1)
+        parts = [self.layer.pair_outputs(rows[a : a + step], idx[a : a + step]) for a in range(0, len(idx), step)]
+        u = torch.cat(parts) if len(parts) > 1 else parts[0]
+        u_main = u[: n * (k + 1)].view(n, k + 1, -1)
+        return u_main[:, :k], u_main[:, k], u[n * (k + 1):]
+
     @torch.no_grad()
-    def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor) -> None:
+    def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
+                stash: tuple[Selection, tuple[torch.Tensor, ...]] | None = None) -> None:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
         layer, cfg, acc = self.layer, self.cfg, self.acc
         w0, w1 = self.windows
@@ -181,46 +271,24 @@ class LayerCapture:
         d = x.shape[-1]
         x2, g2, out2 = x.reshape(-1, d), g.reshape(-1, d), out.reshape(-1, d)
         n = x2.shape[0]
-        k = layer.top_k
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
-
-        routing = layer.routing(router_out, g2)
-        logits = router_out[0] if isinstance(router_out, tuple) else router_out
-        nonfinite = ~torch.isfinite(logits.float()).all(dim=-1)
+        sel, (u_act, u_k1, u_rand) = stash if stash is not None else self._select_and_evaluate(router_out, g2)
+        routing, sm, in_b = sel.routing, sel.sm, sel.in_b
+        valid = sm.valid
+        interior = valid & ~in_b
 
         z = rms_normalize(x2, layer.norm_eps)
         zh = angular(z)
-        sm = set_margin(routing.scores, routing.active)
-        valid = sm.valid
-        margins = sm.margin.view(bw, seq)
-        in_b = boundary_set(margins, valid.view(bw, seq), cfg.boundary_q).view(-1)
-        interior = valid & ~in_b
-
-        positions = torch.arange(seq, device=x2.device).repeat(bw)
-        uni = hash_uniform(cfg.seed, layer.ordinal, win_local + w0, positions)
-        e_rand, has_rand = random_competitor(routing.scores, routing.active, sm.e_k1, uni)
-        rand_ok = in_b & has_rand
-
-        # fields of the active set, the adjacent competitor and the random competitor, chunked
-        experts = torch.cat([routing.active, sm.e_k1.view(-1, 1), e_rand.view(-1, 1)], dim=1)
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
-        c2_vals = torch.empty(n, device=x2.device)
-        c2_ok = torch.empty(n, dtype=torch.bool, device=x2.device)
-        d_adj = torch.empty(n, device=x2.device)
-        d_rand = torch.empty(n, device=x2.device)
-        jump = torch.empty(n, device=x2.device)
-        for a in range(0, n, cfg.token_chunk):
-            b = min(a + cfg.token_chunk, n)
-            u = layer.expert_outputs(g2[a:b], experts[a:b]).float()
-            v = tangent_project(u, zh[a:b])
-            v_act, v_k1, v_rand = v[:, :k], v[:, k], v[:, k + 1]
-            c2_vals[a:b], c2_ok[a:b] = c2_per_token(v_act, routing.rho[a:b], s_active[a:b], cfg.beta_adj, cfg.eps_kappa)
-            v_k = v_act.gather(1, pos_k[a:b].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
-            d_adj[a:b] = redundancy_distance(v_k, v_k1, cfg.eps_d)
-            d_rand[a:b] = redundancy_distance(v_k, v_rand, cfg.eps_d)
-            jump[a:b] = swap_jump(v_act, routing.rho[a:b], pos_k[a:b], v_k1)
-            del u, v
+        v_act = tangent_project(u_act.float(), zh)
+        v_k1 = tangent_project(u_k1.float(), zh)
+        v_rand = tangent_project(u_rand.float(), zh.index_select(0, sel.b_pos))
+        c2_vals, c2_ok = c2_per_token(v_act, routing.rho, s_active, cfg.beta_adj, cfg.eps_kappa)
+        v_k = v_act.gather(1, pos_k.view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+        d_adj = redundancy_distance(v_k, v_k1, cfg.eps_d)
+        d_rand = redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d)
+        jump = swap_jump(v_act, routing.rho, pos_k, v_k1)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         y_post = layer.norm.forward(x2 + out2)
@@ -229,9 +297,15 @@ class LayerCapture:
         rows = slice(w0, w1)
         arr = acc.arrays
 
-        def add(name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-            arr[name + ".sum"][rows] += torch.where(mask, values.float(), 0.0).view(bw, seq).sum(1)
-            arr[name + ".count"][rows] += mask.view(bw, seq).sum(1)
+        def add(name: str, values: torch.Tensor, mask: torch.Tensor, windows: torch.Tensor | None = None) -> None:
+            if windows is None:
+                arr[name + ".sum"][rows] += torch.where(mask, values.float(), 0.0).view(bw, seq).sum(1)
+                arr[name + ".count"][rows] += mask.view(bw, seq).sum(1)
+            else:
+                arr[name + ".sum"][rows] += torch.zeros(bw, device=x2.device).index_add_(
+                    0, windows, torch.where(mask, values.float(), 0.0))
+                arr[name + ".count"][rows] += torch.zeros(bw, dtype=torch.int64, device=x2.device).index_add_(
+                    0, windows, mask.long())
 
         all_tok = torch.ones(n, dtype=torch.bool, device=x2.device)
         add("margin_mean", sm.margin, valid)
@@ -239,17 +313,17 @@ class LayerCapture:
         add("ov_cf", ov, all_tok)
         add("d_adjacent_boundary", d_adj, in_b)
         add("d_adjacent_interior", d_adj, interior)
-        add("d_random_boundary", d_rand, rand_ok)
+        add("d_random_boundary", d_rand, sel.rand_ok, windows=sel.b_pos // seq)
         for i, delta in enumerate(acc.deltas):
             arr[f"bm{i}.sum"][rows] += ((sm.margin <= delta) & valid).view(bw, seq).sum(1)
         arr["excluded_tokens"][rows] += (~valid).view(bw, seq).sum(1)
         arr["rank_violations"][rows] += ((sm.margin < 0) & valid).view(bw, seq).sum(1)
-        arr["nonfinite_logits"][rows] += nonfinite.view(bw, seq).sum(1)
+        arr["nonfinite_logits"][rows] += sel.nonfinite.view(bw, seq).sum(1)
         arr["jump"][rows] = torch.where(in_b, jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
-        acc.cells.append(count_cells(routing.active))
+        acc.add_cells(routing.active)
         if self.anchors is not None and (self.collect or self.base is not None):
             a0, a1, local = self.anchors.slice_for(w0, w1)
             if a1 > a0:
@@ -258,6 +332,10 @@ class LayerCapture:
                     self._collect(a0, loc, z, g2, in_b)
                 if self.base is not None:
                     self._drift(a0, a1, loc, g2)
+
+    def _select_and_evaluate(self, router_out: Any, g2: torch.Tensor):
+        sel = self.select(router_out, g2)
+        return sel, self.evaluate(sel, g2)
 
     def _anchor_state(self, z: torch.Tensor, experts: torch.Tensor | None, dtype: torch.dtype):
         """Route ``g = Gamma_now z`` through this checkpoint and evaluate fields (tangent at z)."""

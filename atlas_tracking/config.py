@@ -55,6 +55,10 @@ class ReceiptsConfig:
     """Canary windows per forward micro-batch (also the sharding unit over ranks)."""
     token_chunk: int = 4096
     """Tokens per chunk when evaluating expert fields (bounds the working set)."""
+    fuse_experts: bool = True
+    """Evaluate the active experts once, inside the model's own forward: during a gate the layer's
+    combine of the model's expert outputs is done by atlas in fp32 (the per-expert arithmetic is the
+    model's). False evaluates them a second time in the hook and leaves the forward untouched."""
     anchors: int = 1024
     """Anchor tokens kept in a baseline for drift receipts."""
     baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] = "float32"

@@ -151,3 +151,38 @@ def test_canary_nll_equals_the_models_own_loss(model, canary):
         with torch.no_grad():
             loss = float(model(input_ids=ids, labels=ids).loss)
         assert pw["sum"][w] / pw["count"][w] == pytest.approx(loss, abs=1e-5)
+
+
+def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, canary):
+    fused = measure(model, canary, config=CFG)
+    unfused = measure(model, canary, config=AtlasConfig.from_dict(
+        {"receipts": {**CFG.to_dict()["receipts"], "fuse_experts": False}}))
+    for a, b in zip(fused.layers, unfused.layers):
+        for key in ("c2", "margin_mean", "ov_cf", "v2_c1", "v2_c2", "dead_experts", "transition_incompat"):
+            assert a["receipts"][key] == pytest.approx(b["receipts"][key], abs=1e-5), key
+    assert fused.summary["canary_nll"] == pytest.approx(unfused.summary["canary_nll"], abs=1e-5)
+    layer = find_routed_layers(model)[0]
+    assert "forward" not in layer.experts.__dict__ and layer.experts_forward is None  # restored after the gate
+
+
+def test_a_gate_is_one_forward_pass(model, canary):
+    """Counts calls, not seconds: one model forward per micro-batch, one experts evaluation per layer."""
+    calls = {"model": 0, "experts": 0}
+    h1 = model.register_forward_pre_hook(lambda m, a, kw: calls.__setitem__("model", calls["model"] + 1),
+                                         with_kwargs=True)
+    layers = find_routed_layers(model)
+    original = type(layers[0].experts).forward
+
+    def counting(self, *a, **kw):
+        calls["experts"] += 1
+        return original(self, *a, **kw)
+
+    type(layers[0].experts).forward = counting
+    try:
+        measure(model, canary, config=CFG, keep_anchors=False)
+    finally:
+        type(layers[0].experts).forward = original
+        h1.remove()
+    n_batches = len(canary.batches(CFG.receipts.batch_windows))
+    assert calls["model"] == n_batches
+    assert calls["experts"] == n_batches * len(layers)

@@ -93,18 +93,24 @@ class RoutedLayer:
         return self.routing(self.router.forward(g.reshape(-1, g.shape[-1])), g)
 
     # --- experts ---------------------------------------------------------------------------
-    def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``.
+    experts_forward: Any = None
+    """The experts' own forward while a gate stands in for it (set by the capture); None: call the module."""
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Raw (unweighted) output of expert ``experts[i]`` at gate input ``rows[i]``: ``[M, d]``.
 
         Uses the model's own experts module with one (token, expert) pair per row and unit
         weight, so the arithmetic is the model's own (whatever experts implementation it uses).
         """
+        ones = torch.ones(len(experts), 1, dtype=rows.dtype, device=rows.device)
+        call = self.experts_forward if self.experts_forward is not None else self.experts
+        return call(rows, experts.view(-1, 1), ones)
+
+    def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``."""
         n, m = experts.shape
         rows = g.reshape(n, 1, -1).expand(n, m, g.shape[-1]).reshape(n * m, -1)
-        idx = experts.reshape(-1, 1)
-        ones = torch.ones(idx.shape, dtype=g.dtype, device=g.device)
-        out = self.experts(rows, idx, ones)
-        return out.view(n, m, -1)
+        return self.pair_outputs(rows, experts.reshape(-1)).view(n, m, -1)
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         """Output of always-on shared experts at ``g [N, d]`` (gated as the model gates it), or None."""

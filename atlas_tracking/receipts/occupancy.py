@@ -77,8 +77,18 @@ def cell_stats(cell_counts: np.ndarray) -> dict[str, float | int]:
     return {"cells_visited": int(c.size), "cell_entropy": float(-(mu * np.log(mu)).sum())}
 
 
-def count_cells(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct active sets (as sorted rows) and how many tokens visited each."""
+def cell_keys(active: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """One exact key per token for its active set: ``sum_j sorted_j E^j`` (int64) when ``E^k < 2^62``,
+    else the sorted rows themselves. Equal keys <=> equal sets."""
     rows = torch.sort(active, dim=1).values
-    cells, counts = torch.unique(rows, dim=0, return_counts=True)
-    return cells, counts
+    if n_experts ** active.shape[1] >= 2**62:
+        return rows
+    powers = n_experts ** torch.arange(active.shape[1], device=active.device, dtype=torch.int64)
+    return (rows * powers).sum(dim=1)
+
+
+def count_cells(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct active-set keys (from :func:`cell_keys`) and how many tokens visited each."""
+    if keys.dim() == 1:
+        return torch.unique(keys, return_counts=True)
+    return torch.unique(keys, dim=0, return_counts=True)

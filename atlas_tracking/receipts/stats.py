@@ -28,6 +28,12 @@ def bootstrap_indices(n_windows: int, n_resamples: int, seed: int) -> np.ndarray
     return rng.integers(0, n_windows, size=(n_resamples, n_windows))
 
 
+def multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
+    """``[n_resamples, n_windows]``: how many times each window was drawn in each resample."""
+    offsets = idx + (np.arange(idx.shape[0]) * n_windows)[:, None]
+    return np.bincount(offsets.ravel(), minlength=idx.shape[0] * n_windows).reshape(idx.shape[0], n_windows)
+
+
 def ratio(sums: np.ndarray, counts: np.ndarray) -> float:
     """Pooled mean ``sum(sums) / sum(counts)``; NaN when nothing was counted."""
     total = float(np.sum(counts))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
-from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, ratio, ratio_ci
+from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, multiplicity, ratio, ratio_ci
 
 RATIO_RECEIPTS: tuple[str, ...] = (
     "margin_mean",
@@ -90,7 +90,7 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     window_of = np.repeat(np.arange(len(per_window_values)), lengths)
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
-    mult = np.stack([np.bincount(row, minlength=len(per_window_values)) for row in idx])
+    mult = multiplicity(idx, len(per_window_values))
     weights = mult[:, window_of].astype(np.float64)
     cum = np.cumsum(weights, axis=1)
     total = cum[:, -1:]
