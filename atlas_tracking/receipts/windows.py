@@ -69,6 +69,9 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) ->
     return values, cis
 
 
+_CHUNK = 64
+
+
 def lower_median(values: np.ndarray) -> float:
     """The smallest value whose cumulative count reaches half the total (NaN for no values)."""
     v = np.sort(np.asarray(values, dtype=np.float64))
@@ -91,11 +94,13 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
     mult = multiplicity(idx, len(per_window_values))
-    weights = mult[:, window_of].astype(np.float64)
-    cum = np.cumsum(weights, axis=1)
-    total = cum[:, -1:]
-    pos = np.argmax(cum >= total / 2.0, axis=1)
-    samples = np.where(total[:, 0] > 0, flat[pos], np.nan)
+    samples = np.empty(len(idx))
+    for a in range(0, len(idx), _CHUNK):  # bounded working set: _CHUNK resamples at a time
+        weights = mult[a : a + _CHUNK, window_of]
+        cum = np.cumsum(weights, axis=1)
+        total = cum[:, -1:]
+        pos = np.argmax(cum * 2 >= total, axis=1)
+        samples[a : a + _CHUNK] = np.where(total[:, 0] > 0, flat[pos], np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
     ci = [_f(float(np.quantile(samples, alpha))), _f(float(np.quantile(samples, 1 - alpha)))] if samples.size else [None, None]

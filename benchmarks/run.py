@@ -1,0 +1,245 @@
+"""Gate cost, measured: ``make bench`` (or ``python benchmarks/run.py``) writes ``benchmarks/results.json``.
+
+(a) gate vs a plain no-grad forward over the same canary (same model, device, process; interleaved
+    runs, median of several), with and without a baseline (drift) and with anchor collection;
+(b) training overhead of AtlasCallback at the demo's cadence vs the same fit without it;
+(c) peak memory of a gate vs the plain forward (CUDA: max_memory_allocated; CPU: peak RSS of a
+    fresh subprocess);
+(d) baseline artifact size;
+(e) scaling over canary tokens and over the number of experts E.
+Ratios are taken in one process; they are benchmarks, not timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
+
+QUIET = {"receipts": {"progress": False}}
+
+
+def demo_model(experts: int = 32, hidden: int = 64, seed: int = 0, device: str = "cpu", dtype=torch.float32):
+    from moe_lightning import build_qwen3_moe
+
+    return build_qwen3_moe(seed=seed, hidden=hidden, experts=experts, aux_coef=0.0).to(device, dtype).eval()
+
+
+def demo_canary(n_windows: int = 64, window: int = 128) -> Canary:
+    from demo_data import encode, prose_text
+
+    return Canary.from_token_ids(encode(prose_text()), window=window, n_windows=n_windows, seed=0)
+
+
+def plain_forward(model, canary: Canary, batch_windows: int) -> None:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for s in range(0, canary.n_windows, batch_windows):
+            ids = torch.from_numpy(canary.windows[s : s + batch_windows]).to(device)
+            model(input_ids=ids, use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run round-robin (warm-up first) so drift hits all alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def gate_vs_forward(model, canary: Canary, repeats: int) -> dict:
+    cfg = AtlasConfig.from_dict(QUIET)
+    base = Baseline.from_report(measure(model, canary, config=cfg))
+    bw = cfg.receipts.batch_windows
+    t = interleaved({
+        "plain_forward": lambda: plain_forward(model, canary, bw),
+        "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False),
+        "gate_with_drift": lambda: measure(model, canary, baseline=base, config=cfg),
+        "gate_collecting_baseline": lambda: measure(model, canary, config=cfg, keep_anchors=True),
+    }, repeats)
+    return {"seconds": t, "ratio_gate": t["gate"] / t["plain_forward"],
+            "ratio_gate_with_drift": t["gate_with_drift"] / t["plain_forward"],
+            "ratio_gate_collecting_baseline": t["gate_collecting_baseline"] / t["plain_forward"],
+            "canary_tokens": canary.n_tokens}
+
+
+def baseline_size(model, canary: Canary) -> dict:
+    cfg = AtlasConfig.from_dict(QUIET)
+    with tempfile.TemporaryDirectory() as d:
+        path = Baseline.from_report(measure(model, canary, config=cfg)).save(Path(d) / "b")
+        return {f.name: f.stat().st_size for f in path.iterdir()} | {"anchors": cfg.receipts.anchors}
+
+
+_PEAK_CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, {examples!r}); sys.path.insert(0, {bench!r})
+from run import demo_model, demo_canary, plain_forward, QUIET
+from atlas_tracking import AtlasConfig, measure
+mode = {mode!r}
+model = demo_model(); canary = demo_canary()
+def vmhwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'): return int(line.split()[1]) * 1024
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS'): return int(line.split()[1]) * 1024
+cfg = AtlasConfig.from_dict(QUIET)
+small = demo_canary(n_windows=1)
+plain_forward(model, small, 8)  # loads kernels and lazy state once, on one window
+open('/proc/self/clear_refs', 'w').write('5')
+before = rss()
+(plain_forward(model, canary, 8) if mode == 'plain' else measure(model, canary, config=cfg, keep_anchors=False))
+print(json.dumps({{'peak_over_start': vmhwm() - before}}))
+"""
+
+
+def peak_memory(model, canary: Canary) -> dict:
+    device = next(model.parameters()).device
+    cfg = AtlasConfig.from_dict(QUIET)
+    if device.type == "cuda":
+        out = {}
+        for name, fn in (("plain_forward", lambda: plain_forward(model, canary, 8)),
+                         ("gate", lambda: measure(model, canary, config=cfg, keep_anchors=False))):
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            fn()
+            out[name] = torch.cuda.max_memory_allocated() - start
+        return out | {"ratio": out["gate"] / max(out["plain_forward"], 1), "how": "cuda max_memory_allocated"}
+    out = {}
+    for mode in ("plain", "gate"):
+        code = _PEAK_CHILD.format(examples=str(HERE.parent / "examples"), bench=str(HERE), mode=mode)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-500:]}
+        out["plain_forward" if mode == "plain" else "gate"] = json.loads(proc.stdout.strip().splitlines()[-1])[
+            "peak_over_start"]
+    return out | {"ratio": out["gate"] / max(out["plain_forward"], 1),
+                  "how": "peak RSS above the start (model built, one-window forward done), fresh subprocess each"}
+
+
+def training_overhead(steps: int, every: int) -> dict:
+    """The demo's pretraining recipe for ``steps`` steps, with and without AtlasCallback (same seed)."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from atlas_tracking.integrations.lightning import AtlasCallback
+    from demo_data import encode, prose_text
+    from moe_lightning import MoELM, build_qwen3_moe, loaders
+
+    warnings.filterwarnings("ignore")
+    prose = encode(prose_text())
+    canary = demo_canary()
+    train, val = loaders(prose[:360_000], prose[360_000:400_000], window=128, batch=16, steps=steps, seed=0)
+    times = {}
+    for label in ("without", "with", "without_again", "with_again"):
+        pl.seed_everything(0, verbose=False)
+        cbs = [AtlasCallback(canary, {"receipts": {"progress": False}})] if label.startswith("with_") or label == "with" \
+            else []
+        with tempfile.TemporaryDirectory() as d:
+            trainer = pl.Trainer(max_steps=steps, val_check_interval=every, check_val_every_n_epoch=None, logger=False,
+                                 default_root_dir=d, callbacks=cbs, enable_progress_bar=False,
+                                 enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+                                 enable_checkpointing=False)
+            t0 = time.perf_counter()
+            trainer.fit(MoELM(build_qwen3_moe(seed=0)), train, val)
+            times[label] = time.perf_counter() - t0
+    without = min(times["without"], times["without_again"])
+    with_cb = min(times["with"], times["with_again"])
+    return {"seconds": times, "overhead_fraction": (with_cb - without) / without, "steps": steps,
+            "gate_every_steps": every, "gates": steps // every + 1}
+
+
+def scaling(repeats: int) -> dict:
+    out = {"canary_tokens": [], "experts": []}
+    model = demo_model()
+    for n in (8, 16, 32, 64, 128):
+        canary = demo_canary(n_windows=n)
+        t = interleaved({"plain": lambda c=canary: plain_forward(model, c, 8),
+                         "gate": lambda c=canary: measure(model, c, config=AtlasConfig.from_dict(QUIET),
+                                                          keep_anchors=False)}, repeats)
+        out["canary_tokens"].append({"tokens": canary.n_tokens, **t, "ratio": t["gate"] / t["plain"]})
+    canary = demo_canary(n_windows=32)
+    for e in (8, 32, 64, 128, 256):
+        m = demo_model(experts=e)
+        t = interleaved({"plain": lambda m=m: plain_forward(m, canary, 8),
+                         "gate": lambda m=m: measure(m, canary, config=AtlasConfig.from_dict(QUIET),
+                                                     keep_anchors=False)}, repeats)
+        out["experts"].append({"experts": e, **t, "ratio": t["gate"] / t["plain"]})
+    out["width"] = []
+    for hidden in (64, 256, 512):
+        m = demo_model(hidden=hidden)
+        t = interleaved({"plain": lambda m=m: plain_forward(m, canary, 8),
+                         "gate": lambda m=m: measure(m, canary, config=AtlasConfig.from_dict(QUIET),
+                                                     keep_anchors=False)}, repeats)
+        out["width"].append({"hidden": hidden, **t, "ratio": t["gate"] / t["plain"]})
+    tokens = np.array([r["tokens"] for r in out["canary_tokens"]], float)
+    gate = np.array([r["gate"] for r in out["canary_tokens"]])
+    slope, intercept = np.polyfit(tokens, gate, 1)
+    pred = slope * tokens + intercept
+    out["linear_fit_tokens"] = {"seconds_per_1k_tokens": 1000 * slope, "intercept_s": intercept,
+                                "r2": float(1 - ((gate - pred) ** 2).sum() / ((gate - gate.mean()) ** 2).sum())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "results.json"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--train-steps", type=int, default=600)
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    model, canary = demo_model(device=args.device), demo_canary()
+    results = {
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "model": "demo Qwen3-MoE: d=64, 4 routed layers, E=32, k=2",
+    }
+    print("(a) gate vs plain forward ...", flush=True)
+    results["gate_vs_forward"] = gate_vs_forward(model, canary, args.repeats)
+    print("(c) peak memory ...", flush=True)
+    results["peak_memory"] = peak_memory(model, canary)
+    print("(d) baseline size ...", flush=True)
+    results["baseline_bytes"] = baseline_size(model, canary)
+    print("(e) scaling ...", flush=True)
+    results["scaling"] = scaling(max(3, args.repeats // 2))
+    if not args.skip_training:
+        print("(b) training overhead ...", flush=True)
+        results["training_overhead"] = training_overhead(args.train_steps, 200)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    g = results["gate_vs_forward"]
+    print(f"gate / plain forward = {g['ratio_gate']:.2f} (with drift {g['ratio_gate_with_drift']:.2f}); "
+          f"peak memory ratio = {results['peak_memory'].get('ratio', float('nan')):.2f}")
+    if "training_overhead" in results:
+        print(f"training overhead = {100 * results['training_overhead']['overhead_fraction']:.2f}%")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
