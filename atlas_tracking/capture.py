@@ -29,11 +29,11 @@ from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_pro
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set, set_margin
 from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, swap_jump
+from atlas_tracking.receipts.windows import COUNTERS
 
 _SUM_COUNT = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior", "d_random_boundary")
-_COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
 DRIFT_RECEIPTS = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
-_DRIFT_COUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
+_DRIFTCOUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
 BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
 """Per-anchor baseline tensors of one layer: canonical state, gate input, active set, routing
 distribution, tangent-projected base fields of the active set, base boundary-set membership."""
@@ -56,13 +56,17 @@ def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Te
 
 
 def random_competitor(
-    scores: torch.Tensor, active: torch.Tensor, e_k1: torch.Tensor, draw: torch.Tensor
+    scores: torch.Tensor, active: torch.Tensor, e_k1: torch.Tensor, draw: torch.Tensor,
+    local: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random-e2 kill-shot: a uniform draw among eligible experts outside R_t other than e_k1.
+    """Random-e2 kill-shot: a uniform draw among eligible experts outside R_t other than e_k1
+    (among the locally held experts when ``local`` is given).
 
     ``draw`` holds integers uniform in ``[0, 2**HASH_BITS)``. Returns the expert and whether one existed.
     """
     cand = torch.isfinite(scores)
+    if local is not None:
+        cand = cand & local
     cand = cand.scatter(1, active, False).scatter(1, e_k1.view(-1, 1), False)
     n_cand = cand.sum(dim=1)
     j = (draw * n_cand) >> HASH_BITS
@@ -85,6 +89,8 @@ class Selection:
     rand_ok: torch.Tensor
     """Candidate is in the boundary set and has a random competitor."""
     nonfinite: torch.Tensor
+    field_ok: torch.Tensor
+    """``[N]``: every expert a token's field receipts need is held by this process."""
 
 
 @dataclass
@@ -108,7 +114,7 @@ class LayerAccumulator:
             self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
         for i in range(len(self.deltas)):
             self.arrays[f"bm{i}.sum"] = torch.zeros(w, dtype=torch.int64, device=d)
-        for name in _COUNTERS:
+        for name in COUNTERS:
             self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
@@ -118,7 +124,7 @@ class LayerAccumulator:
         for name in DRIFT_RECEIPTS:
             self.arrays[name + ".sum"] = torch.zeros(w, dtype=torch.float32, device=d)
             self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
-        for name in _DRIFT_COUNTERS:
+        for name in _DRIFTCOUNTERS:
             self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
 
     def add_cells(self, active: torch.Tensor) -> None:
@@ -164,6 +170,8 @@ class LayerCapture:
         self._router_out: Any = None
         self._stash: tuple[Selection, tuple[torch.Tensor, ...]] | None = None
         self._own_forward: Any = None
+        self._context: Any = None
+        self.fused = config.fuse_experts and layer.fusable
         self._handles: list[Any] = []
         self.calls = 0
 
@@ -174,7 +182,9 @@ class LayerCapture:
             self.layer.router.register_forward_hook(self._on_router),
             self.layer.block.register_forward_hook(self._on_block),
         ]
-        if self.cfg.fuse_experts:
+        self._context = self.layer.gate_context()
+        self._context.__enter__()
+        if self.fused:
             experts = self.layer.experts
             self._own_forward = experts.__dict__.get("forward", _MISSING)
             self.layer.experts_forward = experts.forward
@@ -184,7 +194,10 @@ class LayerCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.cfg.fuse_experts and self._own_forward is not None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        if self.fused and self._own_forward is not None:
             experts = self.layer.experts
             if self._own_forward is _MISSING:
                 del experts.forward
@@ -222,28 +235,53 @@ class LayerCapture:
         return out.to(hidden_states.dtype)
 
     # --- receipts ---------------------------------------------------------------------------
-    def select(self, router_out: Any, g2: torch.Tensor) -> Selection:
-        """Routing, set margins, boundary set and competitors of one micro-batch (``g2`` is ``[N, d]``)."""
+    def token_order(self, device: torch.device) -> torch.Tensor | None:
+        """Native flat index of each window-major token (None when the layer is batch-first)."""
+        if not self.layer.sequence_first:
+            return None
+        bw, seq = self.windows[1] - self.windows[0], self.acc.window
+        return (torch.arange(seq, device=device).view(1, -1) * bw + torch.arange(bw, device=device).view(-1, 1)).reshape(-1)
+
+    def window_major(self, t: torch.Tensor) -> torch.Tensor:
+        """A ``[B, L, d]`` (or ``[L, B, d]`` for sequence-first layers) tensor as window-major ``[N, d]``."""
+        if self.layer.sequence_first:
+            t = t.transpose(0, 1)
+        return t.reshape(-1, t.shape[-1])
+
+    def select(self, router_out: Any, g_native: torch.Tensor) -> Selection:
+        """Routing, set margins, boundary set and competitors of one micro-batch, in window-major order.
+
+        ``g_native`` is the flattened gate input in the order the router saw it.
+        """
         layer, cfg = self.layer, self.cfg
         w0, w1 = self.windows
         bw, seq = w1 - w0, self.acc.window
-        routing = layer.routing(router_out, g2)
-        logits = router_out[0] if isinstance(router_out, tuple) else router_out
+        routing = layer.routing(router_out, g_native)
+        nonfinite = ~torch.isfinite(layer.router_logits(router_out, routing).float()).all(dim=-1)
+        order = self.token_order(g_native.device)
+        if order is not None:
+            routing = Routing(**{k: (v.index_select(0, order) if isinstance(v, torch.Tensor) else v)
+                                 for k, v in vars(routing).items()})
+            nonfinite = nonfinite.index_select(0, order)
         sm = set_margin(routing.scores, routing.active)
         in_b = boundary_set(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
         # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
         n_cand = max(1, boundary_count(seq, cfg.boundary_q))
         keyed = torch.where(sm.valid.view(bw, seq), sm.margin.view(bw, seq), float("inf"))
-        local = torch.sort(keyed, dim=1, stable=True).indices[:, :n_cand]
-        b_pos = (local + torch.arange(bw, device=g2.device).view(-1, 1) * seq).reshape(-1)
+        local_pos = torch.sort(keyed, dim=1, stable=True).indices[:, :n_cand]
+        b_pos = (local_pos + torch.arange(bw, device=g_native.device).view(-1, 1) * seq).reshape(-1)
         draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
-        scores_b = routing.scores.index_select(0, b_pos)
+        local = layer.local_experts()
+        local = None if local is None else local.to(g_native.device)
         e_rand, has_rand = random_competitor(
-            scores_b, routing.active.index_select(0, b_pos), sm.e_k1.index_select(0, b_pos), draws)
+            routing.scores.index_select(0, b_pos), routing.active.index_select(0, b_pos),
+            sm.e_k1.index_select(0, b_pos), draws, local)
+        field_ok = torch.ones_like(sm.valid)
+        if local is not None:
+            field_ok = local[routing.active].all(dim=1) & local[sm.e_k1]
         return Selection(
             routing=routing, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
-            rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand,
-            nonfinite=~torch.isfinite(logits.float()).all(dim=-1),
+            rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand, nonfinite=nonfinite, field_ok=field_ok,
         )
 
     def evaluate(self, sel: Selection, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,6 +293,10 @@ class LayerCapture:
         rows = torch.cat([g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1),
                           g2.index_select(0, sel.b_pos)])
         idx = torch.cat([chosen.reshape(-1), sel.e_rand])
+        local = self.layer.local_experts()
+        if local is not None:  # fields of experts held elsewhere are not evaluated (their tokens are masked)
+            local = local.to(idx.device)
+            idx = torch.where(local[idx], idx, int(torch.nonzero(local)[0]))
         step = self.cfg.token_chunk * (k + 1)
         parts = [self.layer.pair_outputs(rows[a : a + step], idx[a : a + step]) for a in range(0, len(idx), step)]
         u = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -269,12 +311,15 @@ class LayerCapture:
         w0, w1 = self.windows
         bw, seq = w1 - w0, acc.window
         d = x.shape[-1]
-        x2, g2, out2 = x.reshape(-1, d), g.reshape(-1, d), out.reshape(-1, d)
+        x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         n = x2.shape[0]
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
-        sel, (u_act, u_k1, u_rand) = stash if stash is not None else self._select_and_evaluate(router_out, g2)
+        if stash is None:
+            stash = self._select_and_evaluate(router_out, g.reshape(-1, d), g2)
+        sel, (u_act, u_k1, u_rand) = stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid = sm.valid
+        ok = sel.field_ok
         interior = valid & ~in_b
 
         z = rms_normalize(x2, layer.norm_eps)
@@ -309,17 +354,20 @@ class LayerCapture:
 
         all_tok = torch.ones(n, dtype=torch.bool, device=x2.device)
         add("margin_mean", sm.margin, valid)
-        add("c2", c2_vals, c2_ok)
+        add("c2", c2_vals, c2_ok & ok)
         add("ov_cf", ov, all_tok)
-        add("d_adjacent_boundary", d_adj, in_b)
-        add("d_adjacent_interior", d_adj, interior)
-        add("d_random_boundary", d_rand, sel.rand_ok, windows=sel.b_pos // seq)
+        add("d_adjacent_boundary", d_adj, in_b & ok)
+        add("d_adjacent_interior", d_adj, interior & ok)
+        add("d_random_boundary", d_rand, sel.rand_ok & ok.index_select(0, sel.b_pos), windows=sel.b_pos // seq)
         for i, delta in enumerate(acc.deltas):
             arr[f"bm{i}.sum"][rows] += ((sm.margin <= delta) & valid).view(bw, seq).sum(1)
         arr["excluded_tokens"][rows] += (~valid).view(bw, seq).sum(1)
         arr["rank_violations"][rows] += ((sm.margin < 0) & valid).view(bw, seq).sum(1)
         arr["nonfinite_logits"][rows] += sel.nonfinite.view(bw, seq).sum(1)
-        arr["jump"][rows] = torch.where(in_b, jump, float("nan")).view(bw, seq)
+        arr["nonlocal_tokens"][rows] += (~ok).view(bw, seq).sum(1)
+        if routing.dropped is not None:
+            arr["dropped_routes"][rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
+        arr["jump"][rows] = torch.where(in_b & ok, jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
@@ -333,8 +381,8 @@ class LayerCapture:
                 if self.base is not None:
                     self._drift(a0, a1, loc, g2)
 
-    def _select_and_evaluate(self, router_out: Any, g2: torch.Tensor):
-        sel = self.select(router_out, g2)
+    def _select_and_evaluate(self, router_out: Any, g_native: torch.Tensor, g2: torch.Tensor):
+        sel = self.select(router_out, g_native)
         return sel, self.evaluate(sel, g2)
 
     def _anchor_state(self, z: torch.Tensor, experts: torch.Tensor | None, dtype: torch.dtype):
@@ -409,11 +457,11 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
     }
     for name in _SUM_COUNT:
         pw[name] = {"sum": host[name + ".sum"], "count": host[name + ".count"]}
-    for name in _COUNTERS:
+    for name in COUNTERS:
         pw[name] = host[name]
     if DRIFT_RECEIPTS[0] + ".sum" in host:
         pw["drift"] = {name: {"sum": host[name + ".sum"], "count": host[name + ".count"]} for name in DRIFT_RECEIPTS}
-        pw["drift"].update({name: host[name] for name in _DRIFT_COUNTERS})
+        pw["drift"].update({name: host[name] for name in _DRIFTCOUNTERS})
     return pw
 
 

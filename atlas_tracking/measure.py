@@ -199,7 +199,8 @@ def build_report(
     for p, own in zip(partials, owned):
         nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
-    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected} for layer in layers]
+    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
+             **({"scope": layer.scope()} if layer.scope() else {})} for layer in layers]
     per_window = {
         "canary_nll": {"sum": nll_sum, "count": nll_cnt},
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],

@@ -8,6 +8,7 @@ unweighted. Adding a family is one small entry (``register_family``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ class Routing:
     """``[N, k]`` the model's own combine weights for R_t (not renormalised; scaling included)."""
     rho: torch.Tensor
     """``[N, k]`` routing weights renormalised to sum to 1 over R_t."""
+    dropped: torch.Tensor | None = None
+    """``[N, k]`` routes the router chose but a capacity limit dropped (weight 0), when the layer drops."""
 
 
 class RoutedLayer:
@@ -49,6 +52,11 @@ class RoutedLayer:
     router_kind: str = "softmax"
     """'softmax' (logits ranked), 'sigmoid' (sigmoid + bias ranked) or 'topk_softmax'."""
     deterministic_routing: bool = True
+    fusable: bool = True
+    """The experts module is called as ``experts(x, top_k_index, top_k_weights)``, so a gate can
+    evaluate the active fields inside the forward (see ReceiptsConfig.fuse_experts)."""
+    sequence_first: bool = False
+    """Hidden states are ``[seq, batch, d]`` (Megatron) rather than ``[batch, seq, d]``."""
 
     def __init__(self, name: str, index: int, block: nn.Module, norm: nn.Module, router: nn.Module, experts: nn.Module):
         self.name = name
@@ -88,6 +96,10 @@ class RoutedLayer:
         """Turn the router's own forward output for gate inputs ``g [N, d]`` into a :class:`Routing`."""
         raise NotImplementedError
 
+    def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
+        """The router's raw logits (checked for NaN/Inf at every gate)."""
+        return router_output[0] if isinstance(router_output, tuple) else router_output
+
     def route(self, g: torch.Tensor) -> Routing:
         """Route arbitrary gate inputs through this layer's router (its own forward, no hooks)."""
         return self.routing(self.router.forward(g.reshape(-1, g.shape[-1])), g)
@@ -111,6 +123,18 @@ class RoutedLayer:
         n, m = experts.shape
         rows = g.reshape(n, 1, -1).expand(n, m, g.shape[-1]).reshape(n * m, -1)
         return self.pair_outputs(rows, experts.reshape(-1)).view(n, m, -1)
+
+    def local_experts(self) -> torch.Tensor | None:
+        """Bool mask ``[E]`` of experts whose weights this process holds, or None when all are local."""
+        return None
+
+    def scope(self) -> str | None:
+        """A statement of what the field receipts aggregate over, when not every expert is local."""
+        return None
+
+    def gate_context(self) -> contextlib.AbstractContextManager:
+        """Entered for the whole gate (e.g. to make a sampled router deterministic)."""
+        return contextlib.nullcontext()
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         """Output of always-on shared experts at ``g [N, d]`` (gated as the model gates it), or None."""
@@ -150,7 +174,9 @@ def registered_families() -> dict[str, str]:
 
 
 def _load_builtin_families() -> None:
-    from atlas_tracking.adapters import hf  # noqa: F401  (registers on import)
+    """Register the built-in families (these modules import no framework; they match class names)."""
+    from atlas_tracking.adapters import hf  # noqa: F401
+    from atlas_tracking.integrations import deepspeed  # noqa: F401
 
 
 def _layer_index(name: str) -> int:

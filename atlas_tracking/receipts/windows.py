@@ -32,6 +32,11 @@ RATIO_RECEIPTS: tuple[str, ...] = (
 )
 """Receipts that are pooled means: ``sum(sum_w) / sum(count_w)``, each with a window-bootstrap CI."""
 
+COUNTERS: tuple[str, ...] = ("excluded_tokens", "rank_violations", "nonfinite_logits", "dropped_routes", "nonlocal_tokens")
+"""Per-window token counts reported as layer totals: no eligible competitor, a model choice that is not a
+top-k of the selection scores, non-finite router logits, capacity-dropped routes, tokens whose fields live
+in another expert-parallel process."""
+
 V2_AXES: dict[str, tuple[str, str]] = {
     "v2_c1": ("d_adjacent_boundary", "d_adjacent_interior"),
     "v2_c2": ("d_adjacent_boundary", "d_random_boundary"),
@@ -39,6 +44,7 @@ V2_AXES: dict[str, tuple[str, str]] = {
 """V2 axes as differences of two pooled means (seeds/002): C1 = Delta BI, C2 = Delta Brand."""
 
 __all__ = [
+    "COUNTERS",
     "RATIO_RECEIPTS",
     "V2_AXES",
     "bootstrap_indices",
@@ -139,7 +145,7 @@ def layer_receipts(
     if "transition_jump" in per_window:
         est, ci = median_receipt(per_window["transition_jump"], idx, level)
         values["transition_incompat"], cis["transition_incompat"] = _f(est), ci
-    for key in ("excluded_tokens", "rank_violations", "nonfinite_logits"):
+    for key in COUNTERS:
         if key in per_window:
             values[key] = int(np.sum(per_window[key]))
     _v2(per_window, idx, level, values, cis)

@@ -1,0 +1,205 @@
+"""DeepSpeed: an adapter for ``deepspeed.moe.layer.MoE`` and the plain-loop entry point.
+
+The layer's router is its ``TopKGate`` (``.deepspeed_moe.gate``, weights ``.wg``); selection scores
+are its fp32 logits, the routing distribution their softmax. The model's own dispatch is read
+from the gate's sparse routes: routes a capacity limit dropped (index -1) keep the router's
+top-k choice in the active set with weight 0, and are counted as ``dropped_routes``. During a
+gate the top-2 Gumbel sampling of the second expert is switched off (deterministic routing) and
+random token selection draws from a fixed seed. A residual MoE (``use_residual``) contributes
+its ``mlp`` through the ``coefficient`` mix as the transport baseline.
+
+DeepSpeed has no norm inside the MoE layer: the pre-norm is found in the parent block (one
+RMSNorm/LayerNorm-like child, or a common name) or given with ``norms={"blocks.0.moe": block.norm2}``.
+
+    >>> from atlas_tracking.integrations.deepspeed import deepspeed_layers   # doctest: +SKIP
+    >>> layers = deepspeed_layers(engine.module)                               # works under deepspeed.initialize
+    >>> gate = AtlasGate(engine.module, canary, "atlas.yaml", layers=layers)
+    >>> gate.run(step, loss=val_loss)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atlas_tracking.adapters.base import (
+    NoRoutedLayersError,
+    RoutedLayer,
+    Routing,
+    _layer_index,
+    register_family,
+)
+
+NORM_NAMES = ("post_attention_layernorm", "pre_mlp_layernorm", "ln_2", "norm2", "mlp_norm", "ffn_norm", "norm")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return hasattr(module, "weight") and any(hasattr(module, a) for a in ("eps", "variance_epsilon", "epsilon"))
+
+
+def find_pre_norm(parent: nn.Module, block: nn.Module) -> nn.Module | None:
+    """The norm in front of an MoE layer: a known attribute name, else the only norm-like child."""
+    for name in NORM_NAMES:
+        module = getattr(parent, name, None)
+        if isinstance(module, nn.Module) and _is_norm(module):
+            return module
+    norms = [m for m in parent.children() if m is not block and _is_norm(m)]
+    return norms[0] if len(norms) == 1 else None
+
+
+class DeepSpeedMoELayer(RoutedLayer):
+    """``deepspeed.moe.layer.MoE`` as a routed layer."""
+
+    family = "deepspeed"
+    router_kind = "softmax"
+    fusable = False
+
+    @property
+    def moe(self) -> nn.Module:
+        return self.block.deepspeed_moe
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router.wg.weight.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.router.k)
+
+    @property
+    def norm_eps(self) -> float:
+        eps = getattr(self.norm, "eps", getattr(self.norm, "variance_epsilon", None))
+        return float(eps) if eps is not None else float(torch.finfo(self.norm.weight.dtype).eps)
+
+    def gate_context(self) -> contextlib.AbstractContextManager:
+        return _deterministic_gate(self.router)
+
+    def _coefficients(self, g: torch.Tensor) -> torch.Tensor | None:
+        if not getattr(self.block, "use_residual", False):
+            return None
+        return F.softmax(self.block.coefficient(g), dim=-1).float()
+
+    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
+        if not (isinstance(router_output, tuple) and len(router_output) == 7):
+            raise RuntimeError(
+                f"{self.name}: this DeepSpeed version's TopKGate did not return sparse routes "
+                "(l_aux, capacity, E, indices, locations, gates, exp_counts); supported: deepspeed>=0.16"
+            )
+        indices, gates = router_output[3], router_output[5]
+        logits = F.linear(g.float(), self.router.wg.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(logits, self.top_k, dim=1).indices
+        model_idx = indices.t().long()
+        dropped = model_idx < 0
+        active = torch.where(dropped, top, model_idx)
+        weights = gates.t().float()
+        coef = self._coefficients(g)
+        if coef is not None:
+            weights = weights * coef[:, :1]
+        rho = probs.gather(1, active)
+        return Routing(scores=logits, probs=probs, active=active, weights=weights,
+                       rho=rho / rho.sum(dim=1, keepdim=True), dropped=dropped)
+
+    def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
+        return routing.scores
+
+    def route(self, g: torch.Tensor) -> Routing:
+        g = g.reshape(-1, g.shape[-1])
+        return self.routing(self.router.forward(g, None, True), g)
+
+    def local_experts(self) -> torch.Tensor | None:
+        ep_size = int(getattr(self.block, "ep_size", 1))
+        if ep_size == 1:
+            return None
+        n_local = self.num_experts // ep_size
+        rank = torch.distributed.get_rank(group=self.moe.ep_group) if self.moe.ep_group is not None else 0
+        mask = torch.zeros(self.num_experts, dtype=torch.bool)
+        mask[rank * n_local : (rank + 1) * n_local] = True
+        return mask
+
+    def scope(self) -> str | None:
+        local = self.local_experts()
+        if local is None:
+            return None
+        ids = torch.nonzero(local).flatten().tolist()
+        return (f"expert parallel: this process holds experts {ids[0]}-{ids[-1]} of {self.num_experts}; C2, the V2 "
+                "axes and transition incompatibility aggregate only tokens whose active set and adjacent competitor "
+                "are all local (others counted in nonlocal_tokens), and the random competitor is drawn among local "
+                "experts; occupancy and State1 use the replicated router and cover every expert")
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """One local expert module at a time over the rows routed to it (one GEMM chain per expert)."""
+        local = self.moe.experts.deepspeed_experts
+        first = 0
+        mask = self.local_experts()
+        if mask is not None:
+            first = int(torch.nonzero(mask)[0])
+        out = None
+        for j, expert in enumerate(local):
+            sel = torch.nonzero(experts == first + j).flatten()
+            if sel.numel() == 0:
+                continue
+            y = expert(rows.index_select(0, sel))
+            y = y[0] if isinstance(y, tuple) else y
+            if out is None:
+                out = rows.new_zeros((rows.shape[0], y.shape[-1]), dtype=y.dtype)
+            out.index_copy_(0, sel, y)
+        return out if out is not None else torch.zeros_like(rows)
+
+    def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
+        coef = self._coefficients(g)
+        if coef is None:
+            return None
+        mlp = self.block.mlp(g)
+        mlp = mlp[0] if isinstance(mlp, tuple) else mlp
+        return mlp * coef[:, 1:].to(mlp.dtype)
+
+
+@contextlib.contextmanager
+def _deterministic_gate(gate: nn.Module) -> Iterator[None]:
+    """No Gumbel sampling of the second expert, and a fixed seed for random token selection."""
+    sampling = getattr(gate, "top2_2nd_expert_sampling", False)
+    gate.top2_2nd_expert_sampling = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            yield
+        finally:
+            gate.top2_2nd_expert_sampling = sampling
+
+
+def _make(name: str, index: int, block: nn.Module, parent: nn.Module, norm: nn.Module | None = None):
+    if not hasattr(block, "deepspeed_moe"):
+        return None
+    norm = norm if norm is not None else find_pre_norm(parent, block)
+    if norm is None:
+        raise NoRoutedLayersError(
+            f"DeepSpeed MoE layer {name}: cannot tell which norm feeds it (looked for {', '.join(NORM_NAMES)} or a "
+            "single norm-like child of its parent); pass deepspeed_layers(model, norms={name: <norm module>})"
+        )
+    return DeepSpeedMoELayer(name, index, block, norm, block.deepspeed_moe.gate, block.deepspeed_moe.experts)
+
+
+register_family("MoE", "deepspeed", _make)
+
+
+def deepspeed_layers(model: nn.Module, norms: dict[str, nn.Module] | None = None) -> list[RoutedLayer]:
+    """Every ``deepspeed.moe.layer.MoE`` of ``model`` (a DeepSpeed engine's ``.module`` works too)."""
+    model = getattr(model, "module", model)
+    modules = dict(model.named_modules())
+    layers: list[RoutedLayer] = []
+    for name, block in modules.items():
+        if type(block).__name__ == "MoE" and hasattr(block, "deepspeed_moe"):
+            parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "", model)
+            layer = _make(name, _layer_index(name), block, parent, (norms or {}).get(name))
+            layers.append(layer)
+    if not layers:
+        raise NoRoutedLayersError(f"no deepspeed.moe.layer.MoE found in {type(model).__name__}")
+    for i, layer in enumerate(layers):
+        layer.ordinal = i
+    return layers
