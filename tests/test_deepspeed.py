@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from atlas_tracking.integrations.deepspeed import DeepSpeedMoELayer, deepspeed_layers  # noqa: E402
+from deepspeed_loop import TinyDSLM  # noqa: E402
 
 from atlas_tracking import AtlasConfig, Canary, measure  # noqa: E402
 from atlas_tracking.gate import AtlasGate  # noqa: E402
@@ -32,38 +36,14 @@ def process_group():
     torch.distributed.destroy_process_group()
 
 
-class Block(nn.Module):
-    def __init__(self, d, experts, k, **moe_kw):
-        super().__init__()
-        from deepspeed.moe.layer import MoE
+class TinyLM(TinyDSLM):
+    """examples/deepspeed_loop.py's model at test size, with spread router weights."""
 
-        self.norm2 = nn.RMSNorm(d, eps=1e-6)
-        expert = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.moe = MoE(hidden_size=d, expert=expert, num_experts=experts, k=k, min_capacity=0, **moe_kw)
-
-    def forward(self, x):
-        return x + self.moe(self.norm2(x))[0]
-
-
-class TinyLM(nn.Module):
-    """Embedding, two pre-norm MoE blocks, a final norm and an LM head: a DeepSpeed-MoE language model."""
-
-    def __init__(self, vocab=64, d=16, experts=4, k=2, **moe_kw):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([Block(d, experts, k, **moe_kw) for _ in range(2)])
-        self.norm = nn.RMSNorm(d)
-        self.head = nn.Linear(d, vocab)
+    def __init__(self, experts=4, k=2, **moe_kw):
+        super().__init__(vocab=64, d=16, layers=2, experts=experts, k=k, **moe_kw)
         with torch.no_grad():
             for b in self.blocks:
                 b.moe.deepspeed_moe.gate.wg.weight.normal_(0, 1.0)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
 
 
 def _canary():

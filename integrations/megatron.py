@@ -1,0 +1,203 @@
+"""Megatron-Core: an adapter for ``MoELayer`` / ``TopKRouter`` and the selection semantics of its router.
+
+``megatron_selection`` reproduces ``moe_utils.topk_routing_with_score_function`` (softmax before
+or after top-k, sigmoid with expert bias, group-limited top-k, scaling factor) and returns what
+the atlas needs: selection scores with ineligible experts at ``-inf``, the full routing
+distribution, the active set and the model's combine weights. ``MegatronMoELayer`` reads a layer
+``decoder.layers.i`` (``pre_mlp_layernorm`` -> ``mlp`` with ``.router``, ``.experts``, optional
+``.shared_experts``), handles sequence-first hidden states, zero-centred gamma norms, and
+expert parallelism (local-to-global expert ids; field receipts restricted to local experts, with
+a statement of what was aggregated). Megatron-Core is not imported here: layers are matched by
+class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atlas_tracking.adapters.base import RoutedLayer, Routing, register_family
+
+
+@dataclass
+class RouterSpec:
+    """The routing configuration of a Megatron ``TopKRouter`` (``TransformerConfig`` fields)."""
+
+    topk: int
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    expert_bias: torch.Tensor | None = None
+
+    @classmethod
+    def from_router(cls, router: nn.Module) -> RouterSpec:
+        c = router.config
+        return cls(
+            topk=int(c.moe_router_topk), score_function=c.moe_router_score_function,
+            pre_softmax=bool(c.moe_router_pre_softmax), num_groups=c.moe_router_num_groups,
+            group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor,
+            expert_bias=getattr(router, "expert_bias", None),
+        )
+
+
+def _group_mask(scores: torch.Tensor, spec: RouterSpec) -> torch.Tensor | None:
+    """Experts inside the selected groups (Megatron ``group_limited_topk``), or None without groups."""
+    if not spec.group_topk:
+        return None
+    n, e = scores.shape
+    group_scores = scores.view(n, spec.num_groups, -1).topk(spec.topk // spec.group_topk, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=spec.group_topk, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    return mask.unsqueeze(-1).expand(n, spec.num_groups, e // spec.num_groups).reshape(n, e).bool()
+
+
+def megatron_selection(logits: torch.Tensor, spec: RouterSpec) -> Routing:
+    """Selection scores, distribution, active set and combine weights exactly as Megatron routes ``logits``."""
+    logits = logits.float()
+    if spec.score_function == "softmax":
+        probs_full = torch.softmax(logits, dim=-1)
+        ranked = probs_full if spec.pre_softmax else logits
+        selection = logits
+    elif spec.score_function == "sigmoid":
+        sig = torch.sigmoid(logits)
+        probs_full = sig / sig.sum(dim=-1, keepdim=True)
+        ranked = sig + spec.expert_bias.float() if spec.expert_bias is not None else sig
+        selection = ranked
+    else:
+        raise ValueError(f"unsupported Megatron score function {spec.score_function!r}")
+    mask = _group_mask(ranked, spec)
+    if mask is not None:
+        ranked = ranked.masked_fill(~mask, float("-inf"))
+        selection = selection.masked_fill(~mask, float("-inf"))
+    active = torch.topk(ranked, k=spec.topk, dim=1).indices
+    if spec.score_function == "softmax":
+        weights = probs_full.gather(1, active) if spec.pre_softmax else torch.softmax(logits.gather(1, active), dim=-1)
+    else:
+        top = torch.sigmoid(logits).gather(1, active)
+        weights = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if spec.topk > 1 else top
+    if spec.scaling_factor:
+        weights = weights * spec.scaling_factor
+    rho = probs_full.gather(1, active)
+    return Routing(scores=selection, probs=probs_full, active=active, weights=weights,
+                   rho=rho / rho.sum(dim=1, keepdim=True))
+
+
+class MegatronMoELayer(RoutedLayer):
+    """A Megatron-Core ``MoELayer`` inside a ``TransformerLayer``."""
+
+    family = "megatron"
+    fusable = False
+    sequence_first = True
+
+    @property
+    def router_kind(self) -> str:  # type: ignore[override]
+        return "sigmoid" if self.router.config.moe_router_score_function == "sigmoid" else "softmax"
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router.config.num_moe_experts)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.router.config.moe_router_topk)
+
+    @property
+    def norm_eps(self) -> float:
+        return float(getattr(self.norm, "eps", getattr(self.norm, "epsilon", 1e-5)))
+
+    def gamma(self) -> torch.Tensor:
+        weight = self.norm.weight.float()
+        zero_centred = getattr(self.norm, "zero_centered_gamma", False) or getattr(
+            getattr(self.norm, "config", None), "layernorm_zero_centered_gamma", False)
+        return weight + 1.0 if zero_centred else weight
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """The router's gating linear in its routing dtype, on whatever device g is on."""
+        r = self.router
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(getattr(r.config, "moe_router_dtype", None), g.dtype)
+        bias = r.bias.to(dtype) if getattr(r, "bias", None) is not None else None
+        return F.linear(g.to(dtype), r.weight.to(device=g.device, dtype=dtype), bias)
+
+    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
+        g = g.reshape(-1, g.shape[-1])
+        routing = megatron_selection(self.logits(g), RouterSpec.from_router(self.router))
+        if isinstance(router_output, tuple) and len(router_output) == 2:
+            probs, routing_map = router_output
+            model = routing_map.reshape(-1, self.num_experts)
+            ours = torch.zeros_like(model).scatter_(1, routing.active, True)
+            if not torch.equal(model, ours):
+                raise RuntimeError(f"{self.name}: the recomputed top-k differs from the router's routing_map")
+            routing.weights = probs.reshape(-1, self.num_experts).float().gather(1, routing.active)
+        return routing
+
+    def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
+        return torch.where(torch.isinf(routing.scores) & (routing.scores < 0), 0.0, routing.scores)
+
+    def route(self, g: torch.Tensor) -> Routing:
+        g = g.reshape(-1, g.shape[-1])
+        return megatron_selection(self.logits(g), RouterSpec.from_router(self.router))
+
+    def local_experts(self) -> torch.Tensor | None:
+        ids = getattr(self.block, "local_expert_indices", None)
+        if ids is None or len(ids) == self.num_experts:
+            return None
+        mask = torch.zeros(self.num_experts, dtype=torch.bool)
+        mask[list(ids)] = True
+        return mask
+
+    def scope(self) -> str | None:
+        ids = getattr(self.block, "local_expert_indices", None)
+        if ids is None or len(ids) == self.num_experts:
+            return None
+        return (f"expert parallel: this rank holds experts {min(ids)}-{max(ids)} of {self.num_experts}; C2, the V2 axes "
+                "and transition incompatibility aggregate only tokens whose active set and adjacent competitor are "
+                "local (others counted in nonlocal_tokens); occupancy and State1 use the replicated router")
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs through SequentialMLP's local experts (bias included)."""
+        local = getattr(self.experts, "local_experts", None)
+        if local is None:
+            raise NotImplementedError(
+                f"{self.name}: field receipts need SequentialMLP experts; {type(self.experts).__name__} is not read yet")
+        ids = list(getattr(self.block, "local_expert_indices", range(len(local))))
+        out = None
+        for gid, expert in zip(ids, local):
+            sel = torch.nonzero(experts == gid).flatten()
+            if sel.numel() == 0:
+                continue
+            x = rows.index_select(0, sel)
+            y, bias = expert(x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
+            y = y + bias if bias is not None else y
+            if out is None:
+                out = rows.new_zeros((rows.shape[0], y.shape[-1]), dtype=y.dtype)
+            out.index_copy_(0, sel, y)
+        return out if out is not None else torch.zeros_like(rows)
+
+    def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
+        shared = getattr(self.block, "shared_experts", None)
+        if shared is None:
+            return None
+        out = shared(g.reshape(-1, 1, g.shape[-1]))
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(-1, out.shape[-1])
+
+    def block_output(self, output: Any) -> torch.Tensor:
+        out, bias = output if isinstance(output, tuple) else (output, None)
+        return out + bias if bias is not None else out
+
+
+def _make(name: str, index: int, block: nn.Module, parent: nn.Module) -> RoutedLayer | None:
+    router, experts = getattr(block, "router", None), getattr(block, "experts", None)
+    norm = getattr(parent, "pre_mlp_layernorm", None)
+    if router is None or experts is None or norm is None or not hasattr(router, "config"):
+        return None
+    return MegatronMoELayer(name, index, block, norm, router, experts)
+
+
+register_family("MoELayer", "megatron", _make)
