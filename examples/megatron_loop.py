@@ -1,0 +1,90 @@
+"""A Megatron-Core training loop with atlas gates (needs one CUDA GPU): ``python examples/megatron_loop.py``.
+
+A small ``GPTModel`` with MoE layers (sigmoid router with expert bias, group-limited top-k,
+SequentialMLP experts, local layer spec) trains on byte-level prose; every ``--every`` steps the
+loop calls ``gate.run(step, loss)``. Megatron-Core's router gating moves its weights to CUDA,
+so this example does not run on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build_model(vocab: int = 256, seq: int = 128):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=4, hidden_size=128, num_attention_heads=4, num_moe_experts=16, moe_router_topk=2,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.0, moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall", normalization="RMSNorm", add_bias_linear=False,
+        params_dtype=torch.float32, use_cpu_initialization=True,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=16, moe_grouped_gemm=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo_data import encode, prose_text
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from atlas_tracking import Canary
+    from atlas_tracking.gate import AtlasGate
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--out", default="out/megatron/atlas")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megatron_loop.py needs a CUDA GPU (Megatron-Core's router gating runs on CUDA)", file=sys.stderr)
+        return 2
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    torch.distributed.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    model = build_model().cuda()
+    text = encode(prose_text())
+    canary = Canary.from_token_ids(text[-100_000:], window=128, n_windows=32, seed=0)
+    positions = torch.arange(128, device="cuda").unsqueeze(0)
+
+    def forward(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(ids, positions.expand(ids.shape[0], -1), None)
+
+    gate = AtlasGate(model, canary, {"receipts": {"progress": False}}, out_dir=args.out, forward=forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    rng = np.random.default_rng(0)
+    loss = None
+    for step in range(args.steps + 1):
+        if step % args.every == 0:
+            record = gate.run(step, loss=None if loss is None else loss.item())
+            print(f"step {step:4d} {record['status']:8s} {record['stage']:9s} c2={record['c2']:+.4f} "
+                  f"dead={record['dead_experts']:.2f}")
+        if step == args.steps:
+            break
+        starts = rng.integers(0, len(text) - 129, 8)
+        ids = torch.from_numpy(np.stack([text[s : s + 128] for s in starts])).cuda()
+        logits = forward(model, ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"gate records: {Path(args.out) / 'gates.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
