@@ -153,6 +153,21 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
             wandb.finish()
 
 
+def compare_checkpoints(pretrained: dict, stressed, canary: Canary, out: Path) -> None:
+    """Save both ends of the stressed run as transformers checkpoints and run ``atlas-tracking compare``."""
+    from moe_lightning import build_qwen3_moe
+
+    from atlas_tracking.cli import main as cli
+
+    base = build_qwen3_moe(seed=0)
+    base.load_state_dict(pretrained)
+    base.save_pretrained(out / "hf" / "pretrained")
+    stressed.model.save_pretrained(out / "hf" / "stressed")
+    print("\n== atlas-tracking compare: pretrained (step-800 weights) vs the end of the stressed run", flush=True)
+    cli(["compare", "--base", str(out / "hf" / "pretrained"), "--candidate", str(out / "hf" / "stressed"),
+         "--canary", str(out / "canary.npz"), "--out", str(out / "drift.json")])
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "atlas" / "gates.jsonl").read_text().splitlines()]
 
@@ -236,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     _, weights = train(healthy, None, streams, canary, out, trackers=trackers)
     print(f"== {stress.name}: {stress.steps} steps on {stress.domain} from the step-{healthy.resume_at} weights, "
           f"experts+router frozen, fresh optimizer at lr {stress.lr:g}", flush=True)
-    train(stress, weights, streams, canary, out, trackers=trackers)
+    stressed_model, _ = train(stress, weights, streams, canary, out, trackers=trackers)
+    compare_checkpoints(weights, stressed_model, canary, out)
     results: dict[str, Any] = {}
     for phase in (healthy, stress):
         recs = records(out / phase.name)

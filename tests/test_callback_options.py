@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import pytest
@@ -35,7 +36,7 @@ def test_checkpoint_on_green_keeps_the_last_n(tmp_path):
 
 
 class _Hook(BaseHTTPRequestHandler):
-    received: list = []
+    received: ClassVar[list] = []
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
