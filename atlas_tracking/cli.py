@@ -49,6 +49,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from atlas_tracking.measure import measure
 
     cfg = _config(args.config)
+    cfg.receipts.progress = cfg.receipts.progress and not args.quiet
     canary = Canary.load(args.canary)
     model = load_hf_model(args.model, args.dtype, args.device)
     baseline = None
@@ -95,6 +96,7 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_measure)
 
 

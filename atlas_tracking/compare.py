@@ -57,6 +57,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from atlas_tracking.measure import measure
 
     cfg = AtlasConfig.from_yaml(args.config) if args.config else AtlasConfig()
+    cfg.receipts.progress = cfg.receipts.progress and not args.quiet
     canary = Canary.load(args.canary)
     reference = reference_from_report(read_artifact(args.reference)) if args.reference else None
     base_model = load_hf_model(args.base, args.dtype, args.device)
@@ -89,4 +90,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="atlas YAML config")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_compare)

@@ -165,7 +165,7 @@ def compare_checkpoints(pretrained: dict, stressed, canary: Canary, out: Path) -
     stressed.model.save_pretrained(out / "hf" / "stressed")
     print("\n== atlas-tracking compare: pretrained (step-800 weights) vs the end of the stressed run", flush=True)
     cli(["compare", "--base", str(out / "hf" / "pretrained"), "--candidate", str(out / "hf" / "stressed"),
-         "--canary", str(out / "canary.npz"), "--out", str(out / "drift.json")])
+         "--canary", str(out / "canary.npz"), "--out", str(out / "drift.json"), "--quiet"])
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
