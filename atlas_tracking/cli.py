@@ -85,18 +85,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by the commands that load transformers checkpoints."""
+    p.add_argument("--config", help="atlas YAML config")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def _add_measure(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure", help="measure atlas receipts of a transformers checkpoint on a canary")
     p.add_argument("--model", required=True, help="transformers checkpoint directory (safetensors)")
     p.add_argument("--canary", required=True, help=".npy [n_windows, window] token ids, or .npz from Canary.save")
     p.add_argument("--baseline", help="baseline directory (adds drift and paired deltas)")
     p.add_argument("--save-baseline", help="save this gate as a baseline directory")
-    p.add_argument("--config", help="atlas YAML config")
     p.add_argument("--out", required=True, help="receipts JSON to write")
     p.add_argument("--step", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_model_options(p)
     p.set_defaults(func=cmd_measure)
 
 

@@ -80,6 +80,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from atlas_tracking.cli import add_model_options
+
     p = sub.add_parser("compare", help="drift between two transformers checkpoints on one canary")
     p.add_argument("--base", required=True, help="base checkpoint directory")
     p.add_argument("--candidate", required=True, help="candidate checkpoint directory")
@@ -87,8 +89,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="drift JSON to write")
     p.add_argument("--reference", help="receipts JSON of a healthy reference for the handoff margin (default: base)")
     p.add_argument("--save-baseline", help="also save the base checkpoint's baseline directory here")
-    p.add_argument("--config", help="atlas YAML config")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_model_options(p)
     p.set_defaults(func=cmd_compare)

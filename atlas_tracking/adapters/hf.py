@@ -21,10 +21,8 @@ def _renormalise(values: torch.Tensor) -> torch.Tensor:
     return values / values.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(values.dtype).tiny)
 
 
-class HFSoftmaxLayer(RoutedLayer):
-    """Softmax routers ranking logits: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE."""
-
-    router_kind = "softmax"
+class HFRouterLayer(RoutedLayer):
+    """A transformers router with ``num_experts`` and ``top_k`` attributes."""
 
     @property
     def num_experts(self) -> int:
@@ -33,6 +31,12 @@ class HFSoftmaxLayer(RoutedLayer):
     @property
     def top_k(self) -> int:
         return int(self.router.top_k)
+
+
+class HFSoftmaxLayer(HFRouterLayer):
+    """Routers ranking logits with the softmax as distribution: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS."""
+
+    router_kind = "softmax"
 
     def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
         logits, top_weights, top_index = router_output
@@ -55,18 +59,10 @@ class Qwen2MoeLayer(HFSoftmaxLayer):
         return F.sigmoid(self.block.shared_expert_gate(g)) * self.block.shared_expert(g)
 
 
-class DeepseekV3Layer(RoutedLayer):
+class DeepseekV3Layer(HFRouterLayer):
     """DeepSeek-V3: sigmoid scores + correction bias, group-limited top-k, scaled unbiased weights."""
 
     router_kind = "sigmoid"
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.router.num_experts)
-
-    @property
-    def top_k(self) -> int:
-        return int(self.router.top_k)
 
     def eligible_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Selection scores ``sigmoid(logits) + bias`` with experts outside the chosen groups at -inf.
@@ -98,31 +94,11 @@ class DeepseekV3Layer(RoutedLayer):
         return self.block.shared_experts(g)
 
 
-class GptOssLayer(RoutedLayer):
-    """GPT-OSS: biased linear router, top-k on logits then softmax over the k; interleaved fused experts."""
+class GptOssLayer(HFSoftmaxLayer):
+    """GPT-OSS: biased linear router, top-k on logits then softmax over the k (the renormalised softmax);
+    interleaved fused experts, called with the same signature."""
 
     router_kind = "topk_softmax"
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.router.num_experts)
-
-    @property
-    def top_k(self) -> int:
-        return int(self.router.top_k)
-
-    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
-        logits, top_weights, top_index = router_output
-        scores = logits.float()
-        probs = torch.softmax(scores, dim=-1)
-        active = top_index.long()
-        return Routing(
-            scores=scores,
-            probs=probs,
-            active=active,
-            weights=top_weights.float(),
-            rho=_renormalise(probs.gather(1, active)),
-        )
 
 
 def _factory(cls: type[RoutedLayer], family: str, router_attr: str = "gate"):
