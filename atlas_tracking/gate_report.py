@@ -115,7 +115,7 @@ class GateReport:
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON artifact atomically (a temporary file, then a rename)."""
