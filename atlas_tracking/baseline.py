@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.capture import BASE_TENSORS, DRIFT_RECEIPTS
-from atlas_tracking.gate_report import GateReport, jsonable, write_atomic
+from atlas_tracking.gate_report import GateReport, check_header, jsonable, write_atomic
 from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.state1 import boundary_count
@@ -146,13 +146,7 @@ class Baseline:
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as exc:
             raise BaselineError(f"baseline manifest {mpath} is corrupted or truncated: {exc}") from None
-        if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
-            raise BaselineError(f"{mpath} is not an atlas baseline manifest")
-        version = manifest.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise BaselineError(
-                f"baseline {directory} has schema_version {version!r}; this atlas_tracking reads <= {SCHEMA_VERSION}"
-            )
+        check_header(manifest, KIND, SCHEMA_VERSION, f"baseline {directory}", BaselineError)
         if _sha256(tpath) != manifest.get("tensors_sha256"):
             raise BaselineError(f"baseline tensors {tpath} do not match the manifest checksum (corrupted or replaced)")
         from safetensors import SafetensorError

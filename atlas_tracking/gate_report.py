@@ -163,14 +163,17 @@ def read_artifact(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def check_artifact(data: Any, where: str = "receipts artifact") -> None:
-    if not isinstance(data, dict) or data.get("kind") != ARTIFACT_KIND:
-        raise ArtifactError(f"{where} is not an atlas receipts artifact (missing kind={ARTIFACT_KIND!r})")
+def check_header(data: Any, kind: str, max_version: int, where: str, error: type[ValueError]) -> None:
+    """An artifact's ``kind`` and ``schema_version`` (a newer schema than this code reads is an error)."""
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        raise error(f"{where} is not an atlas {kind} artifact (missing kind={kind!r})")
     version = data.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ArtifactError(
-            f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {SCHEMA_VERSION}"
-        )
+    if not isinstance(version, int) or version > max_version:
+        raise error(f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {max_version}")
+
+
+def check_artifact(data: Any, where: str = "receipts artifact") -> None:
+    check_header(data, ARTIFACT_KIND, SCHEMA_VERSION, where, ArtifactError)
     for key in ("canary", "model", "config", "layers", "summary", "per_window"):
         if key not in data:
             raise ArtifactError(f"{where} lacks the {key!r} section (truncated or corrupted?)")
