@@ -166,7 +166,7 @@ def read_artifact(path: str | Path) -> dict[str, Any]:
 def check_header(data: Any, kind: str, max_version: int, where: str, error: type[ValueError]) -> None:
     """An artifact's ``kind`` and ``schema_version`` (a newer schema than this code reads is an error)."""
     if not isinstance(data, dict) or data.get("kind") != kind:
-        raise error(f"{where} is not an atlas {kind} artifact (missing kind={kind!r})")
+        raise error(f"{where} is not an {kind} artifact (missing kind={kind!r})")
     version = data.get("schema_version")
     if not isinstance(version, int) or version > max_version:
         raise error(f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {max_version}")
