@@ -42,7 +42,3 @@ class AnchorPlan:
         a0 = int(np.searchsorted(self.positions, lo, side="left"))
         a1 = int(np.searchsorted(self.positions, hi, side="left"))
         return a0, a1, self.positions[a0:a1] - lo
-
-    def windows(self) -> np.ndarray:
-        """Canary window of every anchor."""
-        return self.positions // self.window

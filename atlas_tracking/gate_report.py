@@ -81,7 +81,6 @@ class GateReport:
     summary: dict[str, Any]
     per_window: dict[str, Any]
     drift: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     anchors: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     """In-memory anchor tensors collected during the gate (not serialised; see ``Baseline.from_report``)."""
 
@@ -91,10 +90,6 @@ class GateReport:
             if layer["name"] == name:
                 return layer
         raise KeyError(f"no routed layer named {name!r} in this report")
-
-    def values(self, receipt: str) -> list[Any]:
-        """One receipt across layers, in layer order."""
-        return [layer["receipts"].get(receipt) for layer in self.layers]
 
     # --- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +105,6 @@ class GateReport:
                 "layers": self.layers,
                 "drift": self.drift,
                 "per_window": self.per_window,
-                **({"extra": self.extra} if self.extra else {}),
             }
         )
 
@@ -133,7 +127,6 @@ class GateReport:
             summary=data["summary"],
             per_window=data["per_window"],
             drift=data.get("drift"),
-            extra=data.get("extra", {}),
         )
 
     @classmethod
