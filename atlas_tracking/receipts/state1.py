@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,9 +65,14 @@ def boundary_set(margins: torch.Tensor, valid: torch.Tensor, q: float) -> torch.
     order = torch.sort(keyed, dim=1, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    table = torch.tensor([boundary_count(t, q) for t in range(margins.shape[1] + 1)], device=margins.device)
-    n_b = table[valid.sum(dim=1, keepdim=True)]
+    n_b = _count_table(margins.shape[1], q, margins.device)[valid.sum(dim=1, keepdim=True)]
     return (rank < n_b) & valid
+
+
+@functools.lru_cache(maxsize=64)
+def _count_table(length: int, q: float, device: torch.device) -> torch.Tensor:
+    """``boundary_count(t, q)`` for t = 0..length, on the device once (no host copy per layer call)."""
+    return torch.tensor([boundary_count(t, q) for t in range(length + 1)], device=device)
 
 
 def boundary_count(t_w: int, q: float) -> int:
