@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,16 @@ class AnchorPlan:
         rng = np.random.default_rng([seed, 0xA7C4])
         positions = np.sort(rng.choice(canary.n_tokens, size=n, replace=False)).astype(np.int64)
         return cls(positions=positions, window=canary.window)
+
+    def device_slices(self, batches: list[tuple[int, int]], device) -> dict[tuple[int, int], tuple[int, int, Any]]:
+        """``slice_for`` of every micro-batch, with the local positions already on ``device`` (one copy each)."""
+        import torch
+
+        out = {}
+        for start, end in batches:
+            a0, a1, local = self.slice_for(start, end)
+            out[(start, end)] = (a0, a1, torch.from_numpy(local).to(device))
+        return out
 
     def slice_for(self, start_window: int, end_window: int) -> tuple[int, int, np.ndarray]:
         """Anchor index range ``[a0, a1)`` inside windows ``[start, end)`` and their local flat positions."""

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
-from atlas_tracking.anchors import AnchorPlan
 from atlas_tracking.config import ReceiptsConfig
 from atlas_tracking.receipts.consistency import set_overlap
 from atlas_tracking.receipts.drift import (
@@ -151,14 +150,14 @@ class LayerCapture:
         layer: RoutedLayer,
         acc: LayerAccumulator,
         config: ReceiptsConfig,
-        anchors: AnchorPlan | None = None,
+        anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
         collect: bool = False,
         base: dict[str, torch.Tensor] | None = None,
     ):
         self.layer = layer
         self.acc = acc
         self.cfg = config
-        self.anchors = anchors
+        self.anchor_slices = anchor_slices
         self.collect = collect
         self.base = base
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -372,10 +371,9 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)
-        if self.anchors is not None and (self.collect or self.base is not None):
-            a0, a1, local = self.anchors.slice_for(w0, w1)
+        if self.anchor_slices is not None and (self.collect or self.base is not None):
+            a0, a1, loc = self.anchor_slices[(w0, w1)]
             if a1 > a0:
-                loc = torch.from_numpy(local).to(x2.device)
                 if self.collect:
                     self._collect(a0, loc, z, g2, in_b)
                 if self.base is not None:

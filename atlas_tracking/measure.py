@@ -120,10 +120,11 @@ def measure_partial(
     device = _model_device(model)
     batches = canary.shard(rank, world_size, rcfg.batch_windows)
     captures = []
+    slices = anchors.device_slices(batches, device) if anchors is not None else None
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_tensors(i, device) if baseline is not None else None
-        captures.append(LayerCapture(layer, acc, rcfg, anchors, collect, base))
+        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     owned = np.zeros(canary.n_windows, dtype=bool)
