@@ -92,3 +92,13 @@ def test_compare_cli_on_two_checkpoints(setup, tmp_path, capsys):
     assert isinstance(doc["handoff_margin"], float) and isinstance(doc["refine_margin"], float)
     out = capsys.readouterr().out
     assert "handoff_margin=" in out and "model.layers.0.mlp" in out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_every_family_in_bf16_measures_verifies_and_has_exact_zero_self_drift(family):
+    model = family_model(family, dtype=torch.bfloat16)
+    canary = Canary.from_token_ids(np.random.default_rng(1).integers(0, 64, 3000), window=16, n_windows=4, seed=0)
+    base = Baseline.from_report(measure(model, canary, config=CFG))
+    report = measure(model, canary, baseline=base, config=CFG)
+    assert verify(json.loads(report.to_json())) == []
+    assert all(layer[k] == 0.0 for layer in report.drift["layers"] for k in DRIFTS)
