@@ -172,7 +172,7 @@ class MegatronMoELayer(RoutedLayer):
             if sel.numel() == 0:
                 continue
             x = rows.index_select(0, sel)
-            y, bias = expert(x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
+            y, bias = expert(x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device))
             y = y + bias if bias is not None else y
             if out is None:
                 out = rows.new_zeros((rows.shape[0], y.shape[-1]), dtype=y.dtype)

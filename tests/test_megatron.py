@@ -88,3 +88,97 @@ def test_full_moe_layer_forward_matches_the_adapter():
         combined = (routing.weights.unsqueeze(-1) * adapter.expert_outputs(g, routing.active)).sum(1)
     out = seen["out"].reshape(-1, 64)
     assert (combined - out).norm() / out.norm() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """Megatron-Core process groups on one gloo rank, and a CPU stand-in (a mock, named as such) for
+    ``TopKRouter.gating``, whose only job here would be to move the router weights to CUDA."""
+    import os
+    import socket
+
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    original = TopKRouter.gating
+    TopKRouter.gating = lambda self, inp: F.linear(inp.float(), self.weight.float())
+    yield
+    TopKRouter.gating = original
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+class MegatronMoEStack(torch.nn.Module):
+    """Embedding, two Megatron ``TransformerLayer``s used for their pre-MLP norm and ``MoELayer`` only
+    (their attention needs CUDA), sequence-first hidden states, and an LM head."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        cfg = TransformerConfig(num_layers=2, hidden_size=d, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+                                moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+                                add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
+                                use_cpu_initialization=True, moe_router_num_groups=4, moe_router_group_topk=2)
+        torch.manual_seed(0)
+        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList([build_module(spec, config=cfg, layer_number=i + 1) for i in range(2)])
+        self.head = torch.nn.Linear(d, vocab)
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.mlp.router.weight.normal_(0, 1.0)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids).transpose(0, 1)  # [seq, batch, d]
+        for layer in self.layers:
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + out + (bias if bias is not None else 0)
+        return self.head(x.transpose(0, 1))
+
+
+def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu):
+    import json
+
+    import numpy as np
+
+    from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+    from atlas_tracking.adapters import find_routed_layers
+    from atlas_tracking.gate_report import verify
+
+    model = MegatronMoEStack().eval()
+    layers = find_routed_layers(model)
+    assert [(lay.family, lay.sequence_first) for lay in layers] == [("megatron", True)] * 2
+    seen = {}
+    lay = layers[0]
+    hs = [lay.norm.register_forward_hook(lambda m, i, o: seen.update(g=o)),
+          lay.router.register_forward_hook(lambda m, i, o: seen.update(r=o)),
+          lay.block.register_forward_hook(lambda m, i, o: seen.update(out=o))]
+    with torch.no_grad():
+        model(torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(2)))
+    for h in hs:
+        h.remove()
+    g = seen["g"].reshape(-1, 32)
+    routing = lay.routing(seen["r"], g)  # raises if it differs from the router's routing_map
+    with torch.no_grad():
+        combined = (routing.weights.unsqueeze(-1) * lay.expert_outputs(g, routing.active)).sum(1)
+    out = lay.block_output(seen["out"]).reshape(-1, 32)
+    assert (combined - out).norm() / out.norm() < 1e-5
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 100, "anchors": 32}})
+    canary = Canary.from_token_ids(np.random.default_rng(0).integers(0, 64, 3000), window=12, n_windows=4, seed=0)
+    report = measure(model, canary, config=cfg)
+    assert verify(json.loads(report.to_json())) == []
+    assert all(layer["receipts"]["rank_violations"] == 0 for layer in report.layers)
+    again = measure(model, canary, baseline=Baseline.from_report(report), config=cfg)
+    assert all(layer[k] == 0.0 for layer in again.drift["layers"]
+               for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift"))
