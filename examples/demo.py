@@ -198,11 +198,11 @@ def read_back(out: Path) -> dict[str, Any]:
     """Count what the trackers hold: W&B offline files (wandb's own records) and the MLflow store."""
     found: dict[str, Any] = {}
     try:
-        from atlas_tracking.integrations.wandb import read_wandb_offline
+        from atlas_tracking.integrations.wandb import wait_for_offline_run
 
         for run in ("healthy", "stressed"):
             for run_dir in sorted((out / run / "wandb").glob("offline-run-*")):
-                data = read_wandb_offline(run_dir)
+                data = wait_for_offline_run(run_dir)
                 found.setdefault(f"wandb/{run}", []).append(
                     {"atlas_rows": sum(1 for row in data["history"] if any(k.startswith("atlas/") for k in row)),
                      "alerts": [a["title"] for a in data["alerts"]]})

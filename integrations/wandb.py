@@ -152,7 +152,8 @@ def _put(target: dict[str, Any], item: Any, value: Any) -> None:
 def read_wandb_offline(run_dir: str | Path) -> dict[str, Any]:
     """History rows, summary and alerts of an offline run, decoded with wandb's protobuf ``Record``.
 
-    ``run_dir`` is the ``offline-run-*`` directory (or the ``.wandb`` file itself).
+    ``run_dir`` is the ``offline-run-*`` directory (or the ``.wandb`` file itself). ``complete`` says
+    whether the run's exit record is in the file (a run still being written has a partial history).
     """
     from wandb.proto import wandb_internal_pb2
 
@@ -165,6 +166,7 @@ def read_wandb_offline(run_dir: str | Path) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     alerts: list[dict[str, Any]] = []
+    complete = False
     for payload in _payloads(path):
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(payload)
@@ -182,4 +184,18 @@ def read_wandb_offline(run_dir: str | Path) -> dict[str, Any]:
         elif kind == "alert":
             alerts.append({"title": rec.alert.title, "text": rec.alert.text, "level": rec.alert.level,
                            "wait_duration": rec.alert.wait_duration})
-    return {"history": history, "summary": summary, "alerts": alerts, "file": str(path)}
+        elif kind == "exit":
+            complete = True
+    return {"history": history, "summary": summary, "alerts": alerts, "file": str(path), "complete": complete}
+
+
+def wait_for_offline_run(run_dir: str | Path, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Read an offline run once its exit record is on disk (W&B flushes the file after ``finish``)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = read_wandb_offline(run_dir)
+        if data["complete"] or time.monotonic() > deadline:
+            return data
+        time.sleep(0.2)

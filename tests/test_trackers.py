@@ -54,7 +54,7 @@ def _records(tmp_path):
 
 def test_wandb_offline_fit_is_read_back_with_wandb_records(tmp_path, recwarn):
     import wandb
-    from atlas_tracking.integrations.wandb import read_wandb_offline
+    from atlas_tracking.integrations.wandb import wait_for_offline_run
     from lightning.pytorch.loggers import WandbLogger
 
     logger = WandbLogger(project="atlas-test", save_dir=str(tmp_path), offline=True)
@@ -63,7 +63,8 @@ def test_wandb_offline_fit_is_read_back_with_wandb_records(tmp_path, recwarn):
     assert undelivered == []
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
-    data = read_wandb_offline(run_dir)
+    data = wait_for_offline_run(run_dir)
+    assert data["complete"]
     records = _records(tmp_path)
     atlas_rows = [row for row in data["history"] if "atlas/c2" in row]
     assert [row["trainer/global_step"] for row in atlas_rows] == [r["step"] for r in records] == [0, 10, 20, 30]
