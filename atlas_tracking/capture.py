@@ -26,11 +26,15 @@ from atlas_tracking.receipts.drift import (
 )
 from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
-from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set, set_margin
+from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, swap_jump
 from atlas_tracking.receipts.windows import COUNTERS
 
-_SUM_COUNT = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior", "d_random_boundary")
+_TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
+"""Pooled means over a micro-batch's tokens, reduced together (one masked sum per micro-batch)."""
+_SUM_COUNT = (*_TOKEN_MEANS, "d_random_boundary")
+"""Every pooled mean; ``d_random_boundary`` is taken at the boundary candidates, not every token."""
+_TOKEN_COUNTERS = tuple(c for c in COUNTERS if c != "dropped_routes")
 DRIFT_RECEIPTS = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
 _DRIFTCOUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
 BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
@@ -106,15 +110,17 @@ class LayerAccumulator:
 
     def __post_init__(self) -> None:
         w, e, d = self.n_windows, self.n_experts, self.device
+        self.sum_names = [name + ".sum" for name in _SUM_COUNT]
+        self.count_names = [
+            *(name + ".count" for name in _TOKEN_MEANS), *(f"bm{i}.sum" for i in range(len(self.deltas))),
+            *_TOKEN_COUNTERS, "d_random_boundary.count", "dropped_routes",
+        ]
+        self.sums = torch.zeros(len(self.sum_names), w, dtype=torch.float32, device=d)
+        """``[S, W]`` per-window sums of every pooled mean, in ``sum_names`` order."""
+        self.counts = torch.zeros(len(self.count_names), w, dtype=torch.int64, device=d)
+        """``[C, W]`` per-window counts: the token masks of ``count_names`` first, then the candidate and route counts."""
         self.arrays["load"] = torch.zeros(w, e, dtype=torch.int64, device=d)
         self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
-        for name in _SUM_COUNT:
-            self.arrays[name + ".sum"] = torch.zeros(w, dtype=torch.float32, device=d)
-            self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
-        for i in range(len(self.deltas)):
-            self.arrays[f"bm{i}.sum"] = torch.zeros(w, dtype=torch.int64, device=d)
-        for name in COUNTERS:
-            self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
 
@@ -133,6 +139,8 @@ class LayerAccumulator:
     def to_host(self) -> dict[str, Any]:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
+        for names, stack in ((self.sum_names, self.sums), (self.count_names, self.counts)):
+            host.update(zip(names, stack.cpu().numpy()))
         merged: dict[tuple[int, ...], int] = {}
         if self.cells:
             cells, counts = count_cells(torch.cat(self.cells))
@@ -167,7 +175,7 @@ class LayerCapture:
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
         self._router_out: Any = None
-        self._stash: tuple[Selection, tuple[torch.Tensor, ...]] | None = None
+        self._stash: tuple[Selection, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._own_forward: Any = None
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
@@ -230,7 +238,8 @@ class LayerCapture:
             sel = self.select(self._router_out, hidden_states)
             fields = self.evaluate(sel, hidden_states)
             self._stash = (sel, fields)
-            out = (top_k_weights.float().unsqueeze(-1) * fields[0].float()).sum(dim=1)
+            k = top_k_weights.shape[-1]
+            out = (top_k_weights.float().unsqueeze(-1) * fields[0][:, :k].float()).sum(dim=1)
         return out.to(hidden_states.dtype)
 
     # --- receipts ---------------------------------------------------------------------------
@@ -263,11 +272,9 @@ class LayerCapture:
                                  for k, v in vars(routing).items()})
             nonfinite = nonfinite.index_select(0, order)
         sm = set_margin(routing.scores, routing.active)
-        in_b = boundary_set(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
+        in_b, order = boundary_set_and_order(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
         # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
-        n_cand = max(1, boundary_count(seq, cfg.boundary_q))
-        keyed = torch.where(sm.valid.view(bw, seq), sm.margin.view(bw, seq), float("inf"))
-        local_pos = torch.sort(keyed, dim=1, stable=True).indices[:, :n_cand]
+        local_pos = order[:, : max(1, boundary_count(seq, cfg.boundary_q))]
         b_pos = (local_pos + torch.arange(bw, device=g_native.device).view(-1, 1) * seq).reshape(-1)
         draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
         local = layer.local_experts()
@@ -283,10 +290,10 @@ class LayerCapture:
             rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand, nonfinite=nonfinite, field_ok=field_ok,
         )
 
-    def evaluate(self, sel: Selection, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unweighted fields of the active set ``[N, k, d]``, the adjacent competitor ``[N, d]`` and the
-        random competitor at the boundary candidates ``[M, d]``, in as few calls of the model's experts
-        as ``token_chunk`` allows (one per chunk)."""
+    def evaluate(self, sel: Selection, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unweighted fields ``[N, k + 1, d]`` of the active set followed by the adjacent competitor, and
+        of the random competitor at the boundary candidates ``[M, d]``, in as few calls of the model's
+        experts as ``token_chunk`` allows (one per chunk)."""
         n, k = sel.routing.active.shape
         chosen = torch.cat([sel.routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
         rows = torch.cat([g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1),
@@ -299,34 +306,31 @@ class LayerCapture:
         step = self.cfg.token_chunk * (k + 1)
         parts = [self.layer.pair_outputs(rows[a : a + step], idx[a : a + step]) for a in range(0, len(idx), step)]
         u = torch.cat(parts) if len(parts) > 1 else parts[0]
-        u_main = u[: n * (k + 1)].view(n, k + 1, -1)
-        return u_main[:, :k], u_main[:, k], u[n * (k + 1):]
+        return u[: n * (k + 1)].view(n, k + 1, -1), u[n * (k + 1):]
 
     @torch.no_grad()
     def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
-                stash: tuple[Selection, tuple[torch.Tensor, ...]] | None = None) -> None:
+                stash: tuple[Selection, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
         layer, cfg, acc = self.layer, self.cfg, self.acc
         w0, w1 = self.windows
         bw, seq = w1 - w0, acc.window
         d = x.shape[-1]
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
-        n = x2.shape[0]
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
         if stash is None:
             stash = self._select_and_evaluate(router_out, g.reshape(-1, d), g2)
-        sel, (u_act, u_k1, u_rand) = stash
+        sel, (u_main, u_rand) = stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
-        valid = sm.valid
-        ok = sel.field_ok
-        interior = valid & ~in_b
+        valid, ok = sm.valid, sel.field_ok
+        k = routing.active.shape[1]
 
         z = rms_normalize(x2, layer.norm_eps)
         zh = angular(z)
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
-        v_act = tangent_project(u_act.float(), zh)
-        v_k1 = tangent_project(u_k1.float(), zh)
+        v_main = tangent_project(u_main.float(), zh)  # active fields, then the adjacent competitor
+        v_act, v_k1 = v_main[:, :k], v_main[:, k]
         v_rand = tangent_project(u_rand.float(), zh.index_select(0, sel.b_pos))
         c2_vals, c2_ok = c2_per_token(v_act, routing.rho, s_active, cfg.beta_adj, cfg.eps_kappa)
         v_k = v_act.gather(1, pos_k.view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
@@ -338,34 +342,22 @@ class LayerCapture:
         y_post = layer.norm.forward(x2 + out2)
         ov = set_overlap(routing.active, layer.route(y_post).active)
 
-        rows = slice(w0, w1)
-        arr = acc.arrays
-
-        def add(name: str, values: torch.Tensor, mask: torch.Tensor, windows: torch.Tensor | None = None) -> None:
-            if windows is None:
-                arr[name + ".sum"][rows] += torch.where(mask, values.float(), 0.0).view(bw, seq).sum(1)
-                arr[name + ".count"][rows] += mask.view(bw, seq).sum(1)
-            else:
-                arr[name + ".sum"][rows] += torch.zeros(bw, device=x2.device).index_add_(
-                    0, windows, torch.where(mask, values.float(), 0.0))
-                arr[name + ".count"][rows] += torch.zeros(bw, dtype=torch.int64, device=x2.device).index_add_(
-                    0, windows, mask.long())
-
-        all_tok = torch.ones(n, dtype=torch.bool, device=x2.device)
-        add("margin_mean", sm.margin, valid)
-        add("c2", c2_vals, c2_ok & ok)
-        add("ov_cf", ov, all_tok)
-        add("d_adjacent_boundary", d_adj, in_b & ok)
-        add("d_adjacent_interior", d_adj, interior & ok)
-        add("d_random_boundary", d_rand, sel.rand_ok & ok.index_select(0, sel.b_pos), windows=sel.b_pos // seq)
-        for i, delta in enumerate(acc.deltas):
-            arr[f"bm{i}.sum"][rows] += ((sm.margin <= delta) & valid).view(bw, seq).sum(1)
-        arr["excluded_tokens"][rows] += (~valid).view(bw, seq).sum(1)
-        arr["rank_violations"][rows] += ((sm.margin < 0) & valid).view(bw, seq).sum(1)
-        arr["nonfinite_logits"][rows] += sel.nonfinite.view(bw, seq).sum(1)
-        arr["nonlocal_tokens"][rows] += (~ok).view(bw, seq).sum(1)
+        # every per-window sum and count of the micro-batch in two masked reductions
+        rows, arr = slice(w0, w1), acc.arrays
+        masks = torch.stack([
+            valid, c2_ok & ok, torch.ones_like(valid), in_b & ok, valid & ~in_b & ok,  # _TOKEN_MEANS
+            *((sm.margin <= delta) & valid for delta in acc.deltas),
+            ~valid, (sm.margin < 0) & valid, sel.nonfinite, ~ok,  # _TOKEN_COUNTERS
+        ])
+        n_means = len(_TOKEN_MEANS)
+        values = torch.stack([sm.margin, c2_vals, ov, d_adj, d_adj]).float()
+        acc.sums[:n_means, rows] += torch.where(masks[:n_means], values, 0.0).view(n_means, bw, seq).sum(-1)
+        acc.counts[: len(masks), rows] += masks.view(len(masks), bw, seq).sum(-1)
+        rand_ok = (sel.rand_ok & ok.index_select(0, sel.b_pos)).view(bw, -1)  # candidates are window-major
+        acc.sums[n_means, rows] += torch.where(rand_ok, d_rand.view(bw, -1), 0.0).sum(1)
+        acc.counts[-2, rows] += rand_ok.sum(1)
         if routing.dropped is not None:
-            arr["dropped_routes"][rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
+            acc.counts[-1, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
         arr["jump"][rows] = torch.where(in_b & ok, jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)

@@ -5,8 +5,6 @@ the CI is that of the paired difference.
 
 Example:
     >>> import numpy as np
-
-from atlas_tracking.receipts.stats import multiplicity
     >>> from atlas_tracking.receipts.stats import bootstrap_indices
     >>> idx = bootstrap_indices(3, 100, 0)
     >>> loads0 = np.array([[2, 0], [2, 0], [1, 1]])
@@ -19,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlas_tracking.receipts.stats import multiplicity
+from atlas_tracking.receipts.stats import float_multiplicity
 
 
 def _occupancy_stats(loads: np.ndarray) -> dict[str, np.ndarray]:
@@ -40,6 +38,6 @@ def occupancy_samples(loads_now: np.ndarray, loads_base: np.ndarray, idx: np.nda
     ``loads_*`` are per-window expert loads ``[W, E]``; ``idx`` are bootstrap window indices.
     Returns ``{"now": {stat: [1 + R]}, "base": {...}}``.
     """
-    mult = multiplicity(idx, loads_now.shape[0]).astype(np.float64)
+    mult = float_multiplicity(idx, loads_now.shape[0])
     mult = np.vstack([np.ones((1, loads_now.shape[0])), mult])
     return {"now": _occupancy_stats(mult @ loads_now), "base": _occupancy_stats(mult @ loads_base)}

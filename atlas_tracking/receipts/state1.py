@@ -61,12 +61,18 @@ def boundary_set(margins: torch.Tensor, valid: torch.Tensor, q: float) -> torch.
     ``margins`` and ``valid`` are ``[W, L]`` (one row per canary window). Ties are broken by
     position (a stable sort), so the set is deterministic. Invalid tokens are never in B_w.
     """
+    return boundary_set_and_order(margins, valid, q)[0]
+
+
+def boundary_set_and_order(margins: torch.Tensor, valid: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`boundary_set` and the ``[W, L]`` positions of each window by increasing margin (invalid last),
+    from one stable sort: the first ``ceil(q * T_w)`` positions of a row are its boundary set."""
     keyed = torch.where(valid, margins, torch.full_like(margins, float("inf")))
     order = torch.sort(keyed, dim=1, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     n_b = _count_table(margins.shape[1], q, margins.device)[valid.sum(dim=1, keepdim=True)]
-    return (rank < n_b) & valid
+    return (rank < n_b) & valid, order
 
 
 @functools.lru_cache(maxsize=64)

@@ -49,10 +49,22 @@ def percentile_ci(samples: np.ndarray, level: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+_LAST_MULTIPLICITY: list[tuple[np.ndarray, np.ndarray]] = []
+"""The last ``(idx, float multiplicity)`` pair: a gate resamples dozens of receipts on the same indices."""
+
+
+def float_multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
+    if _LAST_MULTIPLICITY and _LAST_MULTIPLICITY[0][0] is idx and _LAST_MULTIPLICITY[0][1].shape[1] == n_windows:
+        return _LAST_MULTIPLICITY[0][1]
+    mult = multiplicity(idx, n_windows).astype(np.float64)
+    _LAST_MULTIPLICITY[:] = [(idx, mult)]  # holds idx, so its id cannot be reused while cached
+    return mult
+
+
 def ratio_samples(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """Bootstrap replicates of the pooled ratio."""
-    s = np.asarray(sums, dtype=np.float64)[idx].sum(axis=1)
-    c = np.asarray(counts, dtype=np.float64)[idx].sum(axis=1)
+    """Bootstrap replicates of the pooled ratio (a resample re-counts whole windows by multiplicity)."""
+    pair = np.stack([np.asarray(sums, np.float64), np.asarray(counts, np.float64)], axis=1)
+    s, c = (float_multiplicity(idx, len(pair)) @ pair).T
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)
 

@@ -75,7 +75,28 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) ->
     return values, cis
 
 
-_CHUNK = 64
+def _weighted_median_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each resample (row of ``mult``), the first sorted position whose cumulative weight reaches half
+    the total, where value i weighs ``mult[b, window_of[i]]``; and the totals.
+
+    Exact, in two passes that keep the working set to ``O(B sqrt(n) + W sqrt(n))``: cumulative weights at
+    block ends (one matrix product) find each resample's block, then one block is scanned per resample.
+    """
+    n, n_boot = len(window_of), mult.shape[0]
+    blk = max(1, math.isqrt(n))
+    n_blocks = -(-n // blk)
+    per_block = np.bincount(np.arange(n) // blk * mult.shape[1] + window_of, minlength=n_blocks * mult.shape[1])
+    counts_to_end = np.cumsum(per_block.reshape(n_blocks, mult.shape[1]), axis=0)
+    cum_end = mult.astype(np.float64) @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
+    total = cum_end[:, -1]
+    block = np.argmax(2 * cum_end >= total[:, None], axis=1)
+    before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
+    pos = block[:, None] * blk + np.arange(blk)
+    inside = pos < n
+    pos = np.minimum(pos, n - 1)
+    weights = np.where(inside, mult[np.arange(n_boot)[:, None], window_of[pos]], 0)
+    within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= total[:, None], axis=1)
+    return block * blk + within, total
 
 
 def lower_median(values: np.ndarray) -> float:
@@ -99,14 +120,8 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     window_of = np.repeat(np.arange(len(per_window_values)), lengths)
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
-    mult = multiplicity(idx, len(per_window_values))
-    samples = np.empty(len(idx))
-    for a in range(0, len(idx), _CHUNK):  # bounded working set: _CHUNK resamples at a time
-        weights = mult[a : a + _CHUNK, window_of]
-        cum = np.cumsum(weights, axis=1)
-        total = cum[:, -1:]
-        pos = np.argmax(cum * 2 >= total, axis=1)
-        samples[a : a + _CHUNK] = np.where(total[:, 0] > 0, flat[pos], np.nan)
+    pos, total = _weighted_median_positions(window_of, multiplicity(idx, len(per_window_values)))
+    samples = np.where(total > 0, flat[pos], np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
     ci = [_f(float(np.quantile(samples, alpha))), _f(float(np.quantile(samples, 1 - alpha)))] if samples.size else [None, None]
