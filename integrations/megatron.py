@@ -4,8 +4,8 @@
 or after top-k, sigmoid with expert bias, group-limited top-k, scaling factor) and returns what
 the atlas needs: selection scores with ineligible experts at ``-inf``, the full routing
 distribution, the active set and the model's combine weights. ``MegatronMoELayer`` reads a layer
-``decoder.layers.i`` (``pre_mlp_layernorm`` -> ``mlp`` with ``.router``, ``.experts``, optional
-``.shared_experts``), handles sequence-first hidden states, zero-centred gamma norms, and
+``decoder.layers.i`` (``pre_mlp_layernorm`` -> ``mlp`` with ``.router``, ``.experts`` as
+``SequentialMLP`` or the legacy grouped-GEMM ``GroupedMLP``, optional ``.shared_experts``), handles sequence-first hidden states, zero-centred gamma norms, and
 expert parallelism (local-to-global expert ids; field receipts restricted to local experts, with
 a statement of what was aggregated). Megatron-Core is not imported here: layers are matched by
 class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never called.
@@ -13,6 +13,7 @@ class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,21 +160,54 @@ class MegatronMoELayer(RoutedLayer):
                 "and transition incompatibility aggregate only tokens whose active set and adjacent competitor are "
                 "local (others counted in nonlocal_tokens); occupancy and State1 use the replicated router")
 
+    def _expert_fn(self) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``(local expert index, rows) -> unweighted outputs`` for the block's experts module.
+
+        ``SequentialMLP``: each local expert's own forward at unit probability, bias included.
+        ``GroupedMLP`` (legacy grouped GEMM): ``weight1``/``weight2`` viewed per local expert as
+        its forward views them (``[num_local_experts, hidden, -1]`` and ``[num_local_experts, -1,
+        hidden]``), its activation (GLU: the first half of fc1's output, activated, times the second
+        half); it has no biases. ``TEGroupedMLP`` (Transformer Engine) is not read yet.
+        """
+        experts = self.experts
+        local = getattr(experts, "local_experts", None)
+        if local is not None:
+            def sequential(i: int, x: torch.Tensor) -> torch.Tensor:
+                y, bias = local[i](x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device))
+                return y + bias if bias is not None else y
+
+            return sequential
+        if type(experts).__name__ == "GroupedMLP":
+            c = experts.config
+            w1 = experts.weight1.view(experts.num_local_experts, c.hidden_size, -1)
+            w2 = experts.weight2.view(experts.num_local_experts, -1, c.hidden_size)
+
+            def grouped(i: int, x: torch.Tensor) -> torch.Tensor:
+                h = x @ w1[i]
+                if c.gated_linear_unit:
+                    gate, up = torch.chunk(h, 2, dim=-1)
+                    return (c.activation_func(gate) * up) @ w2[i]
+                return c.activation_func(h) @ w2[i]
+
+            return grouped
+        raise NotImplementedError(
+            f"{self.name}: field receipts need SequentialMLP or GroupedMLP experts; "
+            f"{type(experts).__name__} is not read yet")
+
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs through SequentialMLP's local experts (bias included)."""
-        local = getattr(self.experts, "local_experts", None)
-        if local is None:
-            raise NotImplementedError(
-                f"{self.name}: field receipts need SequentialMLP experts; {type(self.experts).__name__} is not read yet")
-        ids = list(getattr(self.block, "local_expert_indices", range(len(local))))
+        """Unweighted output of global expert ``experts[i]`` at ``rows[i]``, one batched call per local expert.
+
+        Rows are grouped by expert and mapped to local experts through the block's
+        ``local_expert_indices``; rows whose expert is not local stay zero.
+        """
+        run = self._expert_fn()
+        ids = list(getattr(self.block, "local_expert_indices", range(self.experts.num_local_experts)))
         out = None
-        for gid, expert in zip(ids, local):
+        for i, gid in enumerate(ids):
             sel = torch.nonzero(experts == gid).flatten()
             if sel.numel() == 0:
                 continue
-            x = rows.index_select(0, sel)
-            y, bias = expert(x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device))
-            y = y + bias if bias is not None else y
+            y = run(i, rows.index_select(0, sel))
             if out is None:
                 out = rows.new_zeros((rows.shape[0], y.shape[-1]), dtype=y.dtype)
             out.index_copy_(0, sel, y)

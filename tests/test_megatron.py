@@ -3,6 +3,7 @@ a full MoELayer forward with the adapter attached (CUDA only: Megatron's gating 
 
 from __future__ import annotations
 
+import types
 import zlib
 
 import pytest
@@ -116,22 +117,50 @@ def megatron_cpu():
     torch.distributed.destroy_process_group()
 
 
+def _cpu_gmm_stand_in(a, b, batch_sizes, trans_b=False):
+    """CPU stand-in for the CUDA-only ``grouped_gemm.ops.gmm`` kernel: rows ``a`` come grouped by
+    expert (``batch_sizes[e]`` rows for expert ``e``) and group ``e`` is multiplied by ``b[e]``."""
+    groups = a.split(batch_sizes.tolist())
+    return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(groups, b)])
+
+
+@pytest.fixture
+def grouped_gemm_on_cpu(monkeypatch):
+    """Megatron's legacy ``GroupedMLP`` on CPU: its availability check passes and ``gg.ops.gmm`` is the
+    CPU stand-in above. Its activation is run eagerly (Megatron's ``noop_decorator``, what
+    ``disable_jit_fuser`` selects) rather than through ``torch.compile``, which on CPU only adds a long
+    compile of the same function."""
+    from megatron.core.jit import noop_decorator
+    from megatron.core.transformer.moe import experts
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    monkeypatch.setattr(gg, "assert_grouped_gemm_is_available", lambda: None)
+    monkeypatch.setattr(gg, "ops", types.SimpleNamespace(gmm=_cpu_gmm_stand_in))
+    monkeypatch.setattr(experts, "jit_fuser", noop_decorator)
+
+
 class MegatronMoEStack(torch.nn.Module):
     """Embedding, two Megatron ``TransformerLayer``s used for their pre-MLP norm and ``MoELayer`` only
-    (their attention needs CUDA), sequence-first hidden states, and an LM head."""
+    (their attention needs CUDA), sequence-first hidden states, and an LM head. ``experts`` picks the
+    local spec's ``SequentialMLP`` or (``moe_grouped_gemm``) legacy ``GroupedMLP``, whose forward asserts
+    ``config.bf16`` (the parameters stay fp32 here); ``gated`` uses SwiGLU experts instead of GeLU."""
 
-    def __init__(self, vocab=64, d=32):
+    def __init__(self, vocab=64, d=32, experts="sequential", gated=False):
         super().__init__()
+        import torch.nn.functional as F
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import build_module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+        grouped = experts == "grouped"
         cfg = TransformerConfig(num_layers=2, hidden_size=d, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
                                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
                                 add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
-                                use_cpu_initialization=True, moe_router_num_groups=4, moe_router_group_topk=2)
+                                use_cpu_initialization=True, moe_router_num_groups=4, moe_router_group_topk=2,
+                                moe_grouped_gemm=grouped, bf16=grouped, gated_linear_unit=gated,
+                                activation_func=F.silu if gated else F.gelu)
         torch.manual_seed(0)
-        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=grouped)
         self.embed = torch.nn.Embedding(vocab, d)
         self.layers = torch.nn.ModuleList([build_module(spec, config=cfg, layer_number=i + 1) for i in range(2)])
         self.head = torch.nn.Linear(d, vocab)
@@ -147,7 +176,12 @@ class MegatronMoEStack(torch.nn.Module):
         return self.head(x.transpose(0, 1))
 
 
-def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu):
+EXPERT_KINDS = {"sequential": ("sequential", False), "sequential_swiglu": ("sequential", True),
+                "grouped": ("grouped", False), "grouped_swiglu": ("grouped", True)}
+
+
+@pytest.mark.parametrize("kind", list(EXPERT_KINDS))
+def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu, grouped_gemm_on_cpu, kind):
     import json
 
     import numpy as np
@@ -156,7 +190,9 @@ def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu):
     from atlas_tracking.adapters import find_routed_layers
     from atlas_tracking.gate_report import verify
 
-    model = MegatronMoEStack().eval()
+    experts, gated = EXPERT_KINDS[kind]
+    model = MegatronMoEStack(experts=experts, gated=gated).eval()
+    assert type(model.layers[0].mlp.experts).__name__ == {"sequential": "SequentialMLP", "grouped": "GroupedMLP"}[experts]
     layers = find_routed_layers(model)
     assert [(lay.family, lay.sequence_first) for lay in layers] == [("megatron", True)] * 2
     seen = {}
@@ -182,3 +218,28 @@ def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu):
     again = measure(model, canary, baseline=Baseline.from_report(report), config=cfg)
     assert all(layer[k] == 0.0 for layer in again.drift["layers"]
                for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift"))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_grouped_mlp_fields_equal_sequential_mlp_with_the_same_weights(megatron_cpu, grouped_gemm_on_cpu, gated):
+    """GroupedMLP's ``weight1``/``weight2`` copied expert by expert into a SequentialMLP's fc1/fc2 (as
+    GroupedMLP.forward views them): the adapter reads the same expert functions from both."""
+    from atlas_tracking.adapters import find_routed_layers
+
+    grouped = MegatronMoEStack(experts="grouped", gated=gated).eval()
+    sequential = MegatronMoEStack(experts="sequential", gated=gated).eval()
+    for gl, sl in zip(grouped.layers, sequential.layers):
+        ge, se = gl.mlp.experts, sl.mlp.experts
+        w1 = ge.weight1.view(ge.num_local_experts, 32, -1)
+        w2 = ge.weight2.view(ge.num_local_experts, -1, 32)
+        with torch.no_grad():
+            for e, expert in enumerate(se.local_experts):
+                expert.linear_fc1.weight.copy_(w1[e].t())
+                expert.linear_fc2.weight.copy_(w2[e].t())
+    g = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
+    every = torch.arange(8).expand(40, 8)
+    for gl, sl in zip(find_routed_layers(grouped), find_routed_layers(sequential)):
+        with torch.no_grad():
+            ours, theirs = gl.expert_outputs(g, every), sl.expert_outputs(g, every)
+        assert ours.shape == (40, 8, 32) and theirs.abs().min() > 0
+        assert (ours - theirs).abs().max() < 1e-6
