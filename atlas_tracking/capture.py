@@ -97,6 +97,27 @@ class Selection:
 
 
 @dataclass
+class AnchorBatch:
+    """The canary anchors inside one micro-batch, routed through this checkpoint (RECEIPTS.md, Drift).
+
+    For a baseline being collected, ``z`` is the current canonical state and ``experts`` the current
+    active set; for drift, ``z`` is the baseline's ``z0`` and ``experts`` its ``R0``. Their fields
+    are evaluated in the same call of the model's experts as the micro-batch's own fields.
+    """
+
+    a0: int
+    loc: torch.Tensor
+    """Flat window-major positions of the anchors inside the micro-batch."""
+    z: torch.Tensor
+    g: torch.Tensor
+    """``Gamma_now z`` in the model's dtype: the gate input the router and experts see."""
+    routing: Routing
+    experts: torch.Tensor
+    collect: bool
+    """True: anchors of the baseline being collected; False: the baseline's anchors, for drift."""
+
+
+@dataclass
 class LayerAccumulator:
     """Per-window sums and counts of one layer, on the device, for the whole canary."""
 
@@ -126,11 +147,12 @@ class LayerAccumulator:
 
     def enable_drift(self) -> None:
         w, d = self.n_windows, self.device
-        for name in DRIFT_RECEIPTS:
-            self.arrays[name + ".sum"] = torch.zeros(w, dtype=torch.float32, device=d)
-            self.arrays[name + ".count"] = torch.zeros(w, dtype=torch.int64, device=d)
-        for name in _DRIFTCOUNTERS:
-            self.arrays[name] = torch.zeros(w, dtype=torch.int64, device=d)
+        self.drift_sums = torch.zeros(len(DRIFT_RECEIPTS), w, dtype=torch.float32, device=d)
+        """``[4, W]`` per-window sums of the drift functionals over anchors, in ``DRIFT_RECEIPTS`` order."""
+        self.drift_counts = torch.zeros(len(DRIFT_RECEIPTS) + len(_DRIFTCOUNTERS), w, dtype=torch.int64, device=d)
+        """``[6, W]``: anchors counted per functional, then ``_DRIFTCOUNTERS``."""
+        self.sum_names += [name + ".sum" for name in DRIFT_RECEIPTS]
+        self.count_names += [*(name + ".count" for name in DRIFT_RECEIPTS), *_DRIFTCOUNTERS]
 
     def add_cells(self, active: torch.Tensor) -> None:
         """Keep this micro-batch's active-set keys; they are counted once, at the end of the gate."""
@@ -139,7 +161,10 @@ class LayerAccumulator:
     def to_host(self) -> dict[str, Any]:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
-        for names, stack in ((self.sum_names, self.sums), (self.count_names, self.counts)):
+        stacks = [self.sums, self.counts]
+        if hasattr(self, "drift_sums"):
+            stacks = [torch.cat([self.sums, self.drift_sums]), torch.cat([self.counts, self.drift_counts])]
+        for names, stack in zip((self.sum_names, self.count_names), stacks):
             host.update(zip(names, stack.cpu().numpy()))
         merged: dict[tuple[int, ...], int] = {}
         if self.cells:
@@ -175,7 +200,7 @@ class LayerCapture:
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
         self._router_out: Any = None
-        self._stash: tuple[Selection, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._stash: tuple[Selection, list[AnchorBatch], tuple[torch.Tensor, ...]] | None = None
         self._own_forward: Any = None
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
@@ -236,8 +261,9 @@ class LayerCapture:
         kept for the receipts and combined with the model's weights (in fp32) as the layer output."""
         with torch.no_grad():
             sel = self.select(self._router_out, hidden_states)
-            fields = self.evaluate(sel, hidden_states)
-            self._stash = (sel, fields)
+            anchors = self.anchor_batches(self.window_major(self._x), hidden_states.dtype)
+            fields = self.evaluate(sel, hidden_states, anchors)
+            self._stash = (sel, anchors, fields)
             k = top_k_weights.shape[-1]
             out = (top_k_weights.float().unsqueeze(-1) * fields[0][:, :k].float()).sum(dim=1)
         return out.to(hidden_states.dtype)
@@ -290,27 +316,55 @@ class LayerCapture:
             rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand, nonfinite=nonfinite, field_ok=field_ok,
         )
 
-    def evaluate(self, sel: Selection, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unweighted fields ``[N, k + 1, d]`` of the active set followed by the adjacent competitor, and
-        of the random competitor at the boundary candidates ``[M, d]``, in as few calls of the model's
-        experts as ``token_chunk`` allows (one per chunk)."""
+    def anchor_batches(self, x2: torch.Tensor, dtype: torch.dtype) -> list[AnchorBatch]:
+        """The anchors this micro-batch holds, for the baseline being collected and for drift (in that order)."""
+        if self.anchor_slices is None or not (self.collect or self.base is not None):
+            return []
+        a0, a1, loc = self.anchor_slices[self.windows]
+        if a1 <= a0:
+            return []
+        gamma, out = self.layer.gamma(), []
+        if self.collect:
+            z = rms_normalize(x2.index_select(0, loc), self.layer.norm_eps)
+            g = (gamma * z).to(dtype)
+            routing = self.layer.route(g)
+            out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
+        if self.base is not None:
+            z0 = self.base["z0"][a0:a1]
+            g = (gamma * z0).to(dtype)
+            out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), self.base["R0"][a0:a1], collect=False))
+        return out
+
+    def evaluate(self, sel: Selection, g2: torch.Tensor, anchors: list[AnchorBatch]) -> tuple[torch.Tensor, ...]:
+        """Unweighted fields ``[N, k + 1, d]`` of the active set followed by the adjacent competitor, of
+        the random competitor at the boundary candidates ``[M, d]``, and of each anchor batch's experts
+        ``[A, k, d]``, in as few calls of the model's experts as ``token_chunk`` allows (one per chunk)."""
         n, k = sel.routing.active.shape
         chosen = torch.cat([sel.routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
-        rows = torch.cat([g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1),
-                          g2.index_select(0, sel.b_pos)])
-        idx = torch.cat([chosen.reshape(-1), sel.e_rand])
+        rows = [g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1), g2.index_select(0, sel.b_pos)]
+        idx = [chosen.reshape(-1), sel.e_rand]
+        for a in anchors:
+            m = a.experts.shape[1]
+            rows.append(a.g.unsqueeze(1).expand(len(a.g), m, a.g.shape[-1]).reshape(-1, a.g.shape[-1]))
+            idx.append(a.experts.reshape(-1))
+        sizes = [len(i) for i in idx]
+        rows_all, idx_all = torch.cat(rows), torch.cat(idx)
         local = self.layer.local_experts()
         if local is not None:  # fields of experts held elsewhere are not evaluated (their tokens are masked)
-            local = local.to(idx.device)
-            idx = torch.where(local[idx], idx, int(torch.nonzero(local)[0]))
+            local = local.to(idx_all.device)
+            idx_all = torch.where(local[idx_all], idx_all, int(torch.nonzero(local)[0]))
         step = self.cfg.token_chunk * (k + 1)
-        parts = [self.layer.pair_outputs(rows[a : a + step], idx[a : a + step]) for a in range(0, len(idx), step)]
-        u = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return u[: n * (k + 1)].view(n, k + 1, -1), u[n * (k + 1):]
+        parts = [self.layer.pair_outputs(rows_all[a : a + step], idx_all[a : a + step])
+                 for a in range(0, len(idx_all), step)]
+        u = list(torch.split(torch.cat(parts) if len(parts) > 1 else parts[0], sizes))
+        u[0] = u[0].view(n, k + 1, -1)
+        for i, a in enumerate(anchors, start=2):
+            u[i] = u[i].view(len(a.g), a.experts.shape[1], -1)
+        return tuple(u)
 
     @torch.no_grad()
     def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
-                stash: tuple[Selection, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                stash: tuple[Selection, list[AnchorBatch], tuple[torch.Tensor, ...]] | None = None) -> None:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
         layer, cfg, acc = self.layer, self.cfg, self.acc
         w0, w1 = self.windows
@@ -319,14 +373,15 @@ class LayerCapture:
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
         if stash is None:
-            stash = self._select_and_evaluate(router_out, g.reshape(-1, d), g2)
-        sel, (u_main, u_rand) = stash
+            sel = self.select(router_out, g.reshape(-1, d))
+            anchors = self.anchor_batches(x2, g2.dtype)
+            stash = (sel, anchors, self.evaluate(sel, g2, anchors))
+        sel, anchors, (u_main, u_rand, *u_anchors) = stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid, ok = sm.valid, sel.field_ok
         k = routing.active.shape[1]
 
-        z = rms_normalize(x2, layer.norm_eps)
-        zh = angular(z)
+        zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
         v_main = tangent_project(u_main.float(), zh)  # active fields, then the adjacent competitor
@@ -363,57 +418,36 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)
-        if self.anchor_slices is not None and (self.collect or self.base is not None):
-            a0, a1, loc = self.anchor_slices[(w0, w1)]
-            if a1 > a0:
-                if self.collect:
-                    self._collect(a0, loc, z, g2, in_b)
-                if self.base is not None:
-                    self._drift(a0, a1, loc, g2)
+        for a, u_a in zip(anchors, u_anchors):
+            u_a = tangent_project(u_a.float(), angular(a.z))
+            if a.collect:
+                self._collect(a, u_a, g2, in_b)
+            else:
+                self._drift(a, u_a, g2)
 
-    def _select_and_evaluate(self, router_out: Any, g_native: torch.Tensor, g2: torch.Tensor):
-        sel = self.select(router_out, g_native)
-        return sel, self.evaluate(sel, g2)
-
-    def _anchor_state(self, z: torch.Tensor, experts: torch.Tensor | None, dtype: torch.dtype):
-        """Route ``g = Gamma_now z`` through this checkpoint and evaluate fields (tangent at z)."""
-        g = (self.layer.gamma() * z).to(dtype)
-        routing = self.layer.route(g)
-        chosen = routing.active if experts is None else experts
-        u = tangent_project(self.layer.expert_outputs(g, chosen).float(), angular(z))
-        return routing, u
-
-    def _collect(self, a0: int, loc: torch.Tensor, z: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
-        za = z[loc]
-        routing, u = self._anchor_state(za, None, g2.dtype)
+    def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         field_dtype = getattr(torch, self.cfg.baseline_fields_dtype)
-        self.collected.append((a0, {
-            "z0": za, "g0": g2[loc].float(), "R0": routing.active, "p0": routing.probs,
-            "u0": u.to(field_dtype), "b0": in_b[loc],
+        self.collected.append((a.a0, {
+            "z0": a.z, "g0": g2[a.loc].float(), "R0": a.routing.active, "p0": a.routing.probs,
+            "u0": u.to(field_dtype), "b0": in_b[a.loc],
         }))
 
-    def _drift(self, a0: int, a1: int, loc: torch.Tensor, g2: torch.Tensor) -> None:
-        base = {k: v[a0:a1] for k, v in self.base.items()}
-        routing, u1 = self._anchor_state(base["z0"], base["R0"], g2.dtype)
+    def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor) -> None:
+        base = {key: v[a.a0 : a.a0 + len(a.loc)] for key, v in self.base.items()}
         u0 = base["u0"]
         u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
-        changed = active_set_change(base["R0"], routing.active)
-        values = {
-            "coord_drift": one_minus_cos(base["g0"], g2[loc]),
-            "boundary_drift": changed,
-            "transition_drift": js_divergence(base["p0"], routing.probs),
-            "content_drift": content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
-        }
-        w0 = self.windows[0]
-        win = torch.div(loc, self.acc.window, rounding_mode="floor") + w0
-        arr = self.acc.arrays
-        ones = torch.ones_like(win)
-        for name, vals in values.items():
-            arr[name + ".sum"].index_add_(0, win, vals.float())
-            arr[name + ".count"].index_add_(0, win, ones)
+        changed = active_set_change(base["R0"], a.routing.active)
+        values = torch.stack([
+            one_minus_cos(base["g0"], g2[a.loc]),  # DRIFT_RECEIPTS order
+            changed,
+            js_divergence(base["p0"], a.routing.probs),
+            content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
+        ]).float()
+        win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.windows[0]
         moved = (changed > 0).long()
-        arr["anchors_changed"].index_add_(0, win, moved)
-        arr["anchors_changed_in_boundary"].index_add_(0, win, moved * base["b0"].long())
+        counts = torch.stack([*(torch.ones_like(moved),) * len(DRIFT_RECEIPTS), moved, moved * base["b0"].long()])
+        self.acc.drift_sums.index_add_(1, win, values)
+        self.acc.drift_counts.index_add_(1, win, counts)
 
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:

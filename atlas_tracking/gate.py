@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,8 @@ class AtlasGate:
         self.baseline_path: str | None = None
         self._resume_pending = False
         self.gates_run = 0
+        self.seconds_total = 0.0
+        """Wall time spent in gates so far (measure, baseline, policy, delivery): the cost of monitoring."""
         extra = [] if sinks is None else list(sinks)
         webhook = WebhookSink.from_config(self.config.alerts.webhook_url, self.config.alerts.webhook_url_env)
         if webhook is not None:
@@ -107,7 +110,12 @@ class AtlasGate:
 
     # --- one gate ----------------------------------------------------------------------------
     def run(self, step: int, loss: float | None = None) -> dict[str, Any]:
-        """Measure, read and deliver one gate; returns the gate record (identical on every rank)."""
+        """Measure, read and deliver one gate; returns the gate record (identical on every rank).
+
+        The record's ``gate_seconds`` is the wall time of the measurement and its reading (the
+        delivery that follows is added to ``seconds_total``).
+        """
+        t0 = time.perf_counter()
         self._load_existing_baseline()
         resume = self._resume_pending
         new_baseline = self.baseline is None or resume
@@ -127,8 +135,10 @@ class AtlasGate:
         record.update({k: v for k, v in decision.items() if k != "step"})
         self._resume_pending = False
         self.gates_run += 1
+        record["gate_seconds"] = time.perf_counter() - t0
         if _is_rank_zero():
             self._deliver(record, report, events, step)
+        self.seconds_total += time.perf_counter() - t0
         return record
 
     def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]], step: int) -> None:

@@ -106,6 +106,8 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
         v = _num(record.get(key))
         if v is not None:
             out[f"atlas/{key}"] = v
+    if _num(record.get("gate_seconds")) is not None:
+        out["atlas/gate_seconds"] = float(record["gate_seconds"])
     if record.get("status") in STATUS_CODES:
         out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
     if record.get("stage") in STAGE_CODES:

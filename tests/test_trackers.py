@@ -241,7 +241,8 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
     summary = ["atlas/c2", "atlas/c2_min", "atlas/c2_protected", "atlas/dead_experts", "atlas/dead_experts_max",
                "atlas/experts_active", "atlas/min_entropy", "atlas/mean_entropy", "atlas/mean_cv", "atlas/max_cv",
                "atlas/margin", "atlas/ov_cf", "atlas/transition_incompat", "atlas/canary_nll",
-               "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code"]
+               "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code",
+               "atlas/gate_seconds"]
     baseline_keys = sorted(summary + layer_keys)
     drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin"]
                         + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")])
