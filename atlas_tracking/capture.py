@@ -27,7 +27,7 @@ from atlas_tracking.receipts.drift import (
 from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
-from atlas_tracking.receipts.state2 import c2_per_token, redundancy_distance, swap_jump
+from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
 from atlas_tracking.receipts.windows import COUNTERS
 
 _TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
@@ -262,10 +262,11 @@ class LayerCapture:
         with torch.no_grad():
             sel = self.select(self._router_out, hidden_states)
             anchors = self.anchor_batches(self.window_major(self._x), hidden_states.dtype)
-            fields = self.evaluate(sel, hidden_states, anchors)
-            self._stash = (sel, anchors, fields)
+            u_main, *rest = self.evaluate(sel, hidden_states, anchors)
+            u_main = u_main.float()
+            self._stash = (sel, anchors, (u_main, *rest))
             k = top_k_weights.shape[-1]
-            out = (top_k_weights.float().unsqueeze(-1) * fields[0][:, :k].float()).sum(dim=1)
+            out = torch.bmm(top_k_weights.float().unsqueeze(1), u_main[:, :k]).squeeze(1)
         return out.to(hidden_states.dtype)
 
     # --- receipts ---------------------------------------------------------------------------
@@ -384,14 +385,17 @@ class LayerCapture:
         zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
-        v_main = tangent_project(u_main.float(), zh)  # active fields, then the adjacent competitor
-        v_act, v_k1 = v_main[:, :k], v_main[:, k]
-        v_rand = tangent_project(u_rand.float(), zh.index_select(0, sel.b_pos))
-        c2_vals, c2_ok = c2_per_token(v_act, routing.rho, s_active, cfg.beta_adj, cfg.eps_kappa)
-        v_k = v_act.gather(1, pos_k.view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+        # State2 without materialising the [N, k+1, d] tangent fields: their Gram matrix, and the
+        # three [N, d] fields the distances and the jump need (tangent projection is linear)
+        u = u_main.float()
+        c2_vals, c2_ok = c2_from_gram(tangent_gram(u[:, :k], zh), routing.rho, s_active, cfg.beta_adj, cfg.eps_kappa)
+        u_k = u.gather(1, pos_k.view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+        v_k, v_k1 = tangent_project(u_k, zh), tangent_project(u[:, k], zh)
+        field = tangent_project(torch.bmm(routing.rho.unsqueeze(1).to(u.dtype), u[:, :k]).squeeze(1), zh)
         d_adj = redundancy_distance(v_k, v_k1, cfg.eps_d)
+        v_rand = tangent_project(u_rand.float(), zh.index_select(0, sel.b_pos))
         d_rand = redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d)
-        jump = swap_jump(v_act, routing.rho, pos_k, v_k1)
+        jump = jump_ratio(routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1), v_k, v_k1, field)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         y_post = layer.norm.forward(x2 + out2)

@@ -141,6 +141,47 @@ def peak_memory(model, canary: Canary) -> dict:
                   "how": "peak RSS above the start (model built, one-window forward done), fresh subprocess each"}
 
 
+REALISTIC = {
+    "cuda": {"hidden": 2048, "moe_intermediate": 768, "experts": (64, 128, 256), "top_k": 8, "layers": 8,
+             "dtype": "bfloat16", "windows": 64},
+    "cpu": {"hidden": 1024, "moe_intermediate": 384, "experts": (64,), "top_k": 8, "layers": 2,
+            "dtype": "float32", "windows": 16},
+}
+"""Realistic width (Qwen3-30B-A3B-like experts: d=2048, 768-wide experts, k=8) on a GPU; a reduced
+version of it on CPU, where the full one does not fit in a benchmark's time."""
+
+
+def realistic_model(hidden: int, moe_intermediate: int, experts: int, top_k: int, layers: int, device: str, dtype: str):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=4 * moe_intermediate,
+        moe_intermediate_size=moe_intermediate, num_hidden_layers=layers, num_attention_heads=hidden // 128,
+        num_key_value_heads=max(1, hidden // 512), head_dim=128, num_experts=experts, num_experts_per_tok=top_k,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def realistic(device: str, repeats: int) -> dict:
+    """Gate vs plain forward at realistic width, one row per expert count."""
+    spec = REALISTIC["cuda" if device.startswith("cuda") else "cpu"]
+    canary = demo_canary(n_windows=spec["windows"])
+    rows = []
+    for e in spec["experts"]:
+        model = realistic_model(spec["hidden"], spec["moe_intermediate"], e, spec["top_k"], spec["layers"], device,
+                                spec["dtype"])
+        t = interleaved({"plain": lambda m=model: plain_forward(m, canary, 8),
+                         "gate": lambda m=model: measure(m, canary, config=AtlasConfig.from_dict(QUIET),
+                                                         keep_anchors=False)}, repeats)
+        rows.append({"experts": e, **t, "ratio": t["gate"] / t["plain"]})
+        del model
+    return {**{k: v for k, v in spec.items() if k != "experts"}, "canary_tokens": canary.n_tokens, "rows": rows}
+
+
 def training_overhead(steps: int, every: int) -> dict:
     """The demo's pretraining recipe for ``steps`` steps, with and without AtlasCallback (same seed)."""
     import warnings
@@ -232,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     results["baseline_bytes"] = baseline_size(model, canary)
     print("(e) scaling ...", flush=True)
     results["scaling"] = scaling(max(3, args.repeats // 2))
+    print("(f) realistic width ...", flush=True)
+    results["realistic"] = realistic(args.device, max(3, args.repeats // 2))
     if not args.skip_training:
         print("(b) training overhead ...", flush=True)
         results["training_overhead"] = training_overhead(args.train_steps, 200)

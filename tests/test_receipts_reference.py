@@ -38,6 +38,31 @@ def test_rms_normalize_and_tangent_projection(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_tangent_gram_and_c2_from_gram(seed):
+    """The gate's path (Gram of the tangent fields from u and zh, never forming v) against loops over v."""
+    rng = _rng(seed)
+    u = rng.normal(size=(6, 4, 10)) + 2.0 * rng.normal(size=(6, 1, 10))  # fields with a shared radial part
+    zh = rng.normal(size=(6, 10))
+    zh /= np.linalg.norm(zh, axis=1, keepdims=True)
+    gram = state2.tangent_gram(torch.tensor(u), torch.tensor(zh)).numpy()
+    rho = rng.random((6, 4))
+    rho /= rho.sum(1, keepdims=True)
+    s = rng.normal(size=(6, 4))
+    c2, ok = state2.c2_from_gram(torch.tensor(gram), torch.tensor(rho), torch.tensor(s), 0.7, 1e-9)
+    for t in range(6):
+        v = [u[t, m] - float(np.dot(u[t, m], zh[t])) * zh[t] for m in range(4)]
+        num = den = 0.0
+        for a in range(4):
+            for b in range(4):
+                assert abs(gram[t, a, b] - float(np.dot(v[a], v[b]))) < 1e-9
+                if a != b:
+                    w = rho[t, a] * rho[t, b] * math.exp(-0.7 * abs(s[t, a] - s[t, b]))
+                    num += w * float(np.dot(v[a], v[b])) / (np.linalg.norm(v[a]) * np.linalg.norm(v[b]) + 1e-9)
+                    den += w
+        assert abs(float(c2[t]) - num / den) < 1e-9 and bool(ok[t])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_kappa_pairs_and_c2(seed):
     rng = _rng(seed)
     v = rng.normal(size=(5, 3, 8))

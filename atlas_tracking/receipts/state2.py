@@ -25,9 +25,23 @@ def kappa_matrix(v: torch.Tensor, eps_kappa: float) -> torch.Tensor:
 
     ``v`` is ``[N, m, d]``; the result is ``[N, m, m]`` with entries in ``[-1, 1]``.
     """
-    gram = v @ v.transpose(1, 2)
-    norms = v.norm(dim=-1)
+    return kappa_from_gram(v @ v.transpose(1, 2), eps_kappa)
+
+
+def kappa_from_gram(gram: torch.Tensor, eps_kappa: float) -> torch.Tensor:
+    """:func:`kappa_matrix` from the ``[N, m, m]`` Gram matrix of the fields (norms on its diagonal)."""
+    norms = gram.diagonal(dim1=1, dim2=2).clamp_min(0.0).sqrt()
     return gram / (norms.unsqueeze(2) * norms.unsqueeze(1) + eps_kappa)
+
+
+def tangent_gram(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
+    """Gram matrix ``<v_e, v_e'>`` of the tangent-visible fields ``v = u - (zh . u) zh`` without forming v.
+
+    ``u`` is ``[N, m, d]``, ``zh`` the unit states ``[N, d]``: ``<v_e, v_e'> = <u_e, u_e'> - a_e a_e'``
+    with ``a = u . zh`` (two batched products instead of elementwise passes over ``[N, m, d]``).
+    """
+    a = torch.bmm(u, zh.unsqueeze(2))
+    return torch.bmm(u, u.transpose(1, 2)) - a * a.transpose(1, 2)
 
 
 def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float) -> torch.Tensor:
@@ -52,13 +66,19 @@ def c2_per_token(
     weights ``[N, k]``, ``s_active`` the selection scores of the active set. A token is
     invalid when it has no pair (k = 1) or all pair weights vanish.
     """
-    k = v.shape[1]
+    return c2_from_gram(v @ v.transpose(1, 2), rho, s_active, beta_adj, eps_kappa)
+
+
+def c2_from_gram(
+    gram: torch.Tensor, rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float, eps_kappa: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`c2_per_token` from the ``[N, k, k]`` Gram matrix of the active fields."""
+    k = gram.shape[1]
     if k < 2:
-        zeros = torch.zeros(v.shape[0], device=v.device, dtype=v.dtype)
-        return zeros, torch.zeros(v.shape[0], device=v.device, dtype=torch.bool)
+        zeros = torch.zeros(gram.shape[0], device=gram.device, dtype=gram.dtype)
+        return zeros, torch.zeros(gram.shape[0], device=gram.device, dtype=torch.bool)
     w = pair_weights(rho, s_active, beta_adj)
-    kap = kappa_matrix(v, eps_kappa)
-    c2 = (w * kap).sum(dim=(1, 2))
+    c2 = (w * kappa_from_gram(gram, eps_kappa)).sum(dim=(1, 2))
     valid = w.sum(dim=(1, 2)) > 0.5
     return c2, valid
 
@@ -75,7 +95,13 @@ def swap_jump(v_active: torch.Tensor, rho: torch.Tensor, pos_k: torch.Tensor, v_
     """
     idx = pos_k.view(-1, 1, 1).expand(-1, 1, v_active.shape[-1])
     v_k = v_active.gather(1, idx).squeeze(1)
-    rho_k = rho.gather(1, pos_k.view(-1, 1))
-    jump = (rho_k * (v_k1 - v_k)).norm(dim=-1)
-    field = (rho.unsqueeze(-1) * v_active).sum(dim=1).norm(dim=-1)
-    return jump / field.clamp_min(torch.finfo(field.dtype).tiny)
+    field = (rho.unsqueeze(-1) * v_active).sum(dim=1)
+    return jump_ratio(rho.gather(1, pos_k.view(-1, 1)).squeeze(1), v_k, v_k1, field)
+
+
+def jump_ratio(rho_k: torch.Tensor, v_k: torch.Tensor, v_k1: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
+    """:func:`swap_jump` from its parts: ``rho_{e_k}`` ``[N]``, the two fields ``[N, d]`` and the routed
+    tangent field ``sum_e rho_e v_e`` ``[N, d]``."""
+    jump = rho_k * (v_k1 - v_k).norm(dim=-1)
+    norm = field.norm(dim=-1)
+    return jump / norm.clamp_min(torch.finfo(norm.dtype).tiny)
