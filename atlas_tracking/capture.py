@@ -342,14 +342,13 @@ class LayerCapture:
         ``[A, k, d]``, in as few calls of the model's experts as ``token_chunk`` allows (one per chunk)."""
         n, k = sel.routing.active.shape
         chosen = torch.cat([sel.routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
-        rows = [g2.unsqueeze(1).expand(n, k + 1, g2.shape[-1]).reshape(n * (k + 1), -1), g2.index_select(0, sel.b_pos)]
-        idx = [chosen.reshape(-1), sel.e_rand]
-        for a in anchors:
-            m = a.experts.shape[1]
-            rows.append(a.g.unsqueeze(1).expand(len(a.g), m, a.g.shape[-1]).reshape(-1, a.g.shape[-1]))
-            idx.append(a.experts.reshape(-1))
-        sizes = [len(i) for i in idx]
-        rows_all, idx_all = torch.cat(rows), torch.cat(idx)
+        groups = [(g2, chosen), (g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
+        groups += [(a.g, a.experts) for a in anchors]
+        sizes = [e.numel() for _, e in groups]
+        rows_all = g2.new_empty((sum(sizes), g2.shape[-1]))  # each token's row once per expert, one copy
+        for (rows, experts), part in zip(groups, torch.split(rows_all, sizes)):
+            part.view(*experts.shape, -1).copy_(rows.unsqueeze(1).expand(*experts.shape, rows.shape[-1]))
+        idx_all = torch.cat([e.reshape(-1) for _, e in groups])
         local = self.layer.local_experts()
         if local is not None:  # fields of experts held elsewhere are not evaluated (their tokens are masked)
             local = local.to(idx_all.device)
