@@ -11,7 +11,7 @@ import pytest
 import torch
 from families import family_model
 
-from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.gate_report import verify
 from atlas_tracking.measure import build_report, measure_partial
@@ -165,8 +165,11 @@ def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, can
     assert "forward" not in layer.experts.__dict__ and layer.experts_forward is None  # restored after the gate
 
 
-def test_a_gate_is_one_forward_pass(model, canary):
-    """Counts calls, not seconds: one model forward per micro-batch, one experts evaluation per layer."""
+@pytest.mark.parametrize("mode", ["gate", "collecting a baseline", "with drift"])
+def test_a_gate_is_one_forward_pass(model, canary, mode):
+    """Counts calls, not seconds: one model forward per micro-batch, one experts evaluation per layer
+    (the canary's fields, the competitors and the anchors all in that one call)."""
+    baseline = Baseline.from_report(measure(model, canary, config=CFG)) if mode == "with drift" else None
     calls = {"model": 0, "experts": 0}
     h1 = model.register_forward_pre_hook(lambda m, a, kw: calls.__setitem__("model", calls["model"] + 1),
                                          with_kwargs=True)
@@ -179,10 +182,12 @@ def test_a_gate_is_one_forward_pass(model, canary):
 
     type(layers[0].experts).forward = counting
     try:
-        measure(model, canary, config=CFG, keep_anchors=False)
+        report = measure(model, canary, baseline=baseline, config=CFG, keep_anchors=mode == "collecting a baseline")
     finally:
         type(layers[0].experts).forward = original
         h1.remove()
+    assert (report.anchors is not None) == (mode == "collecting a baseline")
+    assert (report.drift is not None) == (mode == "with drift")
     n_batches = len(canary.batches(CFG.receipts.batch_windows))
     assert calls["model"] == n_batches
     assert calls["experts"] == n_batches * len(layers)
