@@ -37,6 +37,7 @@ import torch
 
 from atlas_tracking.capture import BASE_TENSORS, DRIFT_RECEIPTS
 from atlas_tracking.gate_report import GateReport, check_header, jsonable, write_atomic
+from atlas_tracking.host_threads import one_blas_thread
 from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.state1 import boundary_count
@@ -208,6 +209,7 @@ def _layer_key(layer: dict[str, Any]) -> dict[str, Any]:
 # --- drift receipts from per-window arrays (shared by measure and verify) --------------------------
 
 
+@one_blas_thread
 def derive_drift(
     layers: list[dict[str, Any]],
     per_window: dict[str, Any],

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from atlas_tracking.host_threads import one_blas_thread
 from atlas_tracking.receipts.stats import bootstrap_indices, ratio, ratio_ci
 from atlas_tracking.receipts.windows import layer_receipts, summary
 
@@ -175,6 +176,7 @@ def check_artifact(data: Any, where: str = "receipts artifact") -> None:
 # --- derivation shared by measure and verify ------------------------------------------------------
 
 
+@one_blas_thread
 def derive(
     layer_meta: list[dict[str, Any]],
     per_window: dict[str, Any],
