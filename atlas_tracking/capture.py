@@ -42,6 +42,9 @@ BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
 distribution, tangent-projected base fields of the active set, base boundary-set membership."""
 
 
+FIELD_ROWS_BUDGET = 1 << 22
+"""Elements of one ``[rows, d]`` tensor (16 MiB in fp32) up to which the fields of a micro-batch are
+evaluated in a single call of the experts, however many rows that is."""
 HASH_BITS = 24
 _MISSING = object()
 
@@ -102,7 +105,7 @@ class AnchorBatch:
 
     For a baseline being collected, ``z`` is the current canonical state and ``experts`` the current
     active set; for drift, ``z`` is the baseline's ``z0`` and ``experts`` its ``R0``. Their fields
-    are evaluated in the same call of the model's experts as the micro-batch's own fields.
+    are evaluated with the micro-batch's own fields (in its last call of the model's experts).
     """
 
     a0: int
@@ -115,6 +118,23 @@ class AnchorBatch:
     experts: torch.Tensor
     collect: bool
     """True: anchors of the baseline being collected; False: the baseline's anchors, for drift."""
+
+
+@dataclass
+class FieldReceipts:
+    """What a gate keeps of one micro-batch's expert fields: per-token reductions, in fp32."""
+
+    c2: torch.Tensor
+    c2_ok: torch.Tensor
+    d_adj: torch.Tensor
+    """``[N]`` redundancy distance of ``e_k`` and its adjacent competitor ``e_k1``."""
+    jump: torch.Tensor
+    d_rand: torch.Tensor
+    """``[M]`` redundancy distance of ``e_k`` and the random competitor, at the boundary candidates."""
+    anchors: list[torch.Tensor]
+    """Tangent fields ``[A, k, d]`` of each anchor batch."""
+    out: torch.Tensor | None
+    """``[N, d]`` the layer's routed output ``sum_e w_e u_e`` when combine weights were given."""
 
 
 @dataclass
@@ -200,7 +220,7 @@ class LayerCapture:
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
         self._router_out: Any = None
-        self._stash: tuple[Selection, list[AnchorBatch], tuple[torch.Tensor, ...]] | None = None
+        self._stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None
         self._own_forward: Any = None
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
@@ -256,18 +276,18 @@ class LayerCapture:
 
     def _fused_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Stand-in for the experts' forward during a gate: one call of the model's own experts
-        evaluates the active set, the adjacent and the random competitors; the active fields are
-        kept for the receipts and combined with the model's weights (in fp32) as the layer output."""
+        """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active
+        set, the adjacent and the random competitors (and the anchors) in as many calls as keep each
+        within the forward's own expert rows; the active fields are reduced to the receipts and
+        combined with the model's weights (in fp32) as the layer output."""
         with torch.no_grad():
             sel = self.select(self._router_out, hidden_states)
-            anchors = self.anchor_batches(self.window_major(self._x), hidden_states.dtype)
-            u_main, *rest = self.evaluate(sel, hidden_states, anchors)
-            u_main = u_main.float()
-            self._stash = (sel, anchors, (u_main, *rest))
-            k = top_k_weights.shape[-1]
-            out = torch.bmm(top_k_weights.float().unsqueeze(1), u_main[:, :k]).squeeze(1)
-        return out.to(hidden_states.dtype)
+            x2 = self.window_major(self._x)
+            zh = angular(x2.float())
+            anchors = self.anchor_batches(x2, hidden_states.dtype)
+            fields = self.fields(sel, hidden_states, zh, anchors, top_k_weights)
+            self._stash = (sel, anchors, fields)
+        return fields.out.to(hidden_states.dtype)
 
     # --- receipts ---------------------------------------------------------------------------
     def token_order(self, device: torch.device) -> torch.Tensor | None:
@@ -336,16 +356,12 @@ class LayerCapture:
             out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), self.base["R0"][a0:a1], collect=False))
         return out
 
-    def evaluate(self, sel: Selection, g2: torch.Tensor, anchors: list[AnchorBatch]) -> tuple[torch.Tensor, ...]:
-        """Unweighted fields ``[N, k + 1, d]`` of the active set followed by the adjacent competitor, of
-        the random competitor at the boundary candidates ``[M, d]``, and of each anchor batch's experts
-        ``[A, k, d]``, in as few calls of the model's experts as ``token_chunk`` allows (one per chunk)."""
-        n, k = sel.routing.active.shape
-        chosen = torch.cat([sel.routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
-        groups = [(g2, chosen), (g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
-        groups += [(a.g, a.experts) for a in anchors]
+    def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """One call of the model's experts for groups of (rows ``[R, d]``, experts ``[R, m]``): each row through
+        each of its experts, written once into one buffer. Returns ``[R, m, d]`` per group."""
         sizes = [e.numel() for _, e in groups]
-        rows_all = g2.new_empty((sum(sizes), g2.shape[-1]))  # each token's row once per expert, one copy
+        first = groups[0][0]
+        rows_all = first.new_empty((sum(sizes), first.shape[-1]))
         for (rows, experts), part in zip(groups, torch.split(rows_all, sizes)):
             part.view(*experts.shape, -1).copy_(rows.unsqueeze(1).expand(*experts.shape, rows.shape[-1]))
         idx_all = torch.cat([e.reshape(-1) for _, e in groups])
@@ -353,20 +369,61 @@ class LayerCapture:
         if local is not None:  # fields of experts held elsewhere are not evaluated (their tokens are masked)
             local = local.to(idx_all.device)
             idx_all = torch.where(local[idx_all], idx_all, int(torch.nonzero(local)[0]))
-        step = self.cfg.token_chunk * (k + 1)
-        parts = [self.layer.pair_outputs(rows_all[a : a + step], idx_all[a : a + step])
-                 for a in range(0, len(idx_all), step)]
-        u = list(torch.split(torch.cat(parts) if len(parts) > 1 else parts[0], sizes))
-        u[0] = u[0].view(n, k + 1, -1)
-        for i, a in enumerate(anchors, start=2):
-            u[i] = u[i].view(len(a.g), a.experts.shape[1], -1)
-        return tuple(u)
+        u = torch.split(self.layer.pair_outputs(rows_all, idx_all), sizes)
+        return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
+
+    def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
+               weights: torch.Tensor | None = None) -> FieldReceipts:
+        """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
+
+        Per token: the active set and the adjacent competitor; at the boundary candidates, the random
+        competitor; and each anchor batch's experts. A call of the model's experts holds at most
+        ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
+        since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
+        so narrow models make one call), and only per-token reductions outlive it: State2 comes from the Gram matrix of the tangent fields,
+        the distances and the jump from three ``[N, d]`` fields (tangent projection is linear).
+        """
+        cfg, routing = self.cfg, sel.routing
+        n, k = routing.active.shape
+        d, dev = g2.shape[-1], g2.device
+        chosen = torch.cat([routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
+        s_active = routing.scores.gather(1, routing.active)
+        pos_k = s_active.argmin(dim=1)
+        rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
+        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *((a.g, a.experts) for a in anchors)]
+        per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1))
+        c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
+        c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
+        v_k = torch.empty(n, d, device=dev)
+        out = None if weights is None else torch.empty(n, d, device=dev)
+        for t0 in range(0, n, per_call):
+            t1 = min(n, t0 + per_call)
+            u_groups = self._pair_call([(g2[t0:t1], chosen[t0:t1]), *(extra if t1 == n else [])])
+            u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
+            c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
+                                                   cfg.eps_kappa)
+            u_k = u.gather(1, pos_k[t0:t1].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+            v_k[t0:t1] = tangent_project(u_k, z)
+            v_k1 = tangent_project(u[:, k], z)
+            field = tangent_project(torch.bmm(rho.unsqueeze(1), u[:, :k]).squeeze(1), z)
+            d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
+            jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
+            if out is not None:
+                out[t0:t1] = torch.bmm(weights[t0:t1].float().unsqueeze(1), u[:, :k]).squeeze(1)
+        u_rand, *u_anchors = u_groups[1:]
+        v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
+        return FieldReceipts(
+            c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
+            d_rand=redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d),
+            anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
+            out=out,
+        )
 
     @torch.no_grad()
     def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
-                stash: tuple[Selection, list[AnchorBatch], tuple[torch.Tensor, ...]] | None = None) -> None:
+                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> None:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
-        layer, cfg, acc = self.layer, self.cfg, self.acc
+        layer, acc = self.layer, self.acc
         w0, w1 = self.windows
         bw, seq = w1 - w0, acc.window
         d = x.shape[-1]
@@ -374,27 +431,13 @@ class LayerCapture:
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
+            zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
             anchors = self.anchor_batches(x2, g2.dtype)
-            stash = (sel, anchors, self.evaluate(sel, g2, anchors))
-        sel, anchors, (u_main, u_rand, *u_anchors) = stash
+            stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
+        sel, anchors, fr = stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid, ok = sm.valid, sel.field_ok
-        k = routing.active.shape[1]
-
-        zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
-        s_active = routing.scores.gather(1, routing.active)
-        pos_k = s_active.argmin(dim=1)
-        # State2 without materialising the [N, k+1, d] tangent fields: their Gram matrix, and the
-        # three [N, d] fields the distances and the jump need (tangent projection is linear)
-        u = u_main.float()
-        c2_vals, c2_ok = c2_from_gram(tangent_gram(u[:, :k], zh), routing.rho, s_active, cfg.beta_adj, cfg.eps_kappa)
-        u_k = u.gather(1, pos_k.view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
-        v_k, v_k1 = tangent_project(u_k, zh), tangent_project(u[:, k], zh)
-        field = tangent_project(torch.bmm(routing.rho.unsqueeze(1).to(u.dtype), u[:, :k]).squeeze(1), zh)
-        d_adj = redundancy_distance(v_k, v_k1, cfg.eps_d)
-        v_rand = tangent_project(u_rand.float(), zh.index_select(0, sel.b_pos))
-        d_rand = redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d)
-        jump = jump_ratio(routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1), v_k, v_k1, field)
+        c2_vals, c2_ok, d_adj, d_rand, jump = fr.c2, fr.c2_ok, fr.d_adj, fr.d_rand, fr.jump
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         y_post = layer.norm.forward(x2 + out2)
@@ -421,12 +464,11 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)
-        for a, u_a in zip(anchors, u_anchors):
-            u_a = tangent_project(u_a.float(), angular(a.z))
+        for a, v_a in zip(anchors, fr.anchors):
             if a.collect:
-                self._collect(a, u_a, g2, in_b)
+                self._collect(a, v_a, g2, in_b)
             else:
-                self._drift(a, u_a, g2)
+                self._drift(a, v_a, g2)
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         field_dtype = getattr(torch, self.cfg.baseline_fields_dtype)

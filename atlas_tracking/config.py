@@ -53,8 +53,11 @@ class ReceiptsConfig:
     """Seed for the bootstrap and the random-e2 kill-shot."""
     batch_windows: int = 8
     """Canary windows per forward micro-batch (also the sharding unit over ranks)."""
-    token_chunk: int = 4096
-    """Tokens per chunk when evaluating expert fields (bounds the working set)."""
+    token_chunk: int | None = None
+    """Tokens per call of the experts when evaluating fields. None (default): a call holds at most half
+    the forward's own (token, expert) rows of the micro-batch (a call materialises its input and output
+    rows), so a gate's peak memory stays near the forward's; narrow models (rows x d within 16 MiB of
+    fp32) make one call. A larger value makes fewer, bigger calls."""
     fuse_experts: bool = True
     """Evaluate the active experts once, inside the model's own forward: during a gate the layer's
     combine of the model's expert outputs is done by atlas in fp32 (the per-expert arithmetic is the
@@ -73,7 +76,7 @@ class ReceiptsConfig:
         _check_range(prefix, "ci_level", self.ci_level, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "content_quantile", self.content_quantile, 0.0, 1.0)
         for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
         if any(d <= 0 for d in self.boundary_deltas):
             raise ConfigError(f"'{prefix}boundary_deltas' must be positive numbers, got {self.boundary_deltas!r}")
@@ -239,7 +242,8 @@ def _type_name(tp: Any) -> str:
         return f"a list of {_type_name(inner)}"
     if dataclasses.is_dataclass(tp):
         return f"a mapping ({tp.__name__})"
-    return {float: "a number", int: "an integer", bool: "true/false", str: "a string"}.get(tp, str(tp))
+    return {float: "a number", int: "an integer", bool: "true/false", str: "a string", type(None): "null"}.get(
+        tp, str(tp))
 
 
 _SCALAR_CHECKS: dict[type, Any] = {
@@ -270,6 +274,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             return value
         if isinstance(value, dict):
             return _build(tp, value, key + ".")
+    elif tp is type(None) and value is None:
+        return None
     elif tp in _SCALAR_CHECKS and _SCALAR_CHECKS[tp](value):
         return float(value) if tp is float else value
     raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}")

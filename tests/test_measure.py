@@ -13,6 +13,7 @@ from families import family_model
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters import find_routed_layers
+from atlas_tracking.capture import FIELD_ROWS_BUDGET
 from atlas_tracking.gate_report import verify
 from atlas_tracking.measure import build_report, measure_partial
 
@@ -165,11 +166,14 @@ def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, can
     assert "forward" not in layer.experts.__dict__ and layer.experts_forward is None  # restored after the gate
 
 
-@pytest.mark.parametrize("mode", ["gate", "collecting a baseline", "with drift"])
+@pytest.mark.parametrize("mode", ["gate", "collecting a baseline", "with drift", "one call per layer"])
 def test_a_gate_is_one_forward_pass(model, canary, mode):
-    """Counts calls, not seconds: one model forward per micro-batch, one experts evaluation per layer
-    (the canary's fields, the competitors and the anchors all in that one call)."""
-    baseline = Baseline.from_report(measure(model, canary, config=CFG)) if mode == "with drift" else None
+    """Counts calls, not seconds: one model forward per micro-batch; per layer, the experts are called as often
+    as keeps each call within the forward's own expert rows (N k), the competitors and anchors riding along
+    in the last call; with a large ``token_chunk`` that is one call."""
+    cfg = CFG if mode != "one call per layer" else AtlasConfig.from_dict(
+        {"receipts": {**CFG.to_dict()["receipts"], "token_chunk": 1 << 20}})
+    baseline = Baseline.from_report(measure(model, canary, config=cfg)) if mode == "with drift" else None
     calls = {"model": 0, "experts": 0}
     h1 = model.register_forward_pre_hook(lambda m, a, kw: calls.__setitem__("model", calls["model"] + 1),
                                          with_kwargs=True)
@@ -182,12 +186,45 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
 
     type(layers[0].experts).forward = counting
     try:
-        report = measure(model, canary, baseline=baseline, config=CFG, keep_anchors=mode == "collecting a baseline")
+        report = measure(model, canary, baseline=baseline, config=cfg, keep_anchors=mode == "collecting a baseline")
     finally:
         type(layers[0].experts).forward = original
         h1.remove()
     assert (report.anchors is not None) == (mode == "collecting a baseline")
     assert (report.drift is not None) == (mode == "with drift")
-    n_batches = len(canary.batches(CFG.receipts.batch_windows))
-    assert calls["model"] == n_batches
-    assert calls["experts"] == n_batches * len(layers)
+    batches = canary.batches(cfg.receipts.batch_windows)
+    assert calls["model"] == len(batches)
+    k = layers[0].top_k
+    d, tokens = layers[0].hidden_size, [(e - s) * canary.window for s, e in batches]
+    per_call = [cfg.receipts.token_chunk or max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1) for n in tokens]
+    expected = sum(math.ceil(n / c) for n, c in zip(tokens, per_call)) * len(layers)
+    assert expected == len(batches) * len(layers)  # a narrow model: one call per layer and micro-batch
+    assert calls["experts"] == expected
+
+
+def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model, canary, monkeypatch):
+    """With a budget below one micro-batch's rows, the fields come in several calls, each within half the
+    forward's (token, expert) rows, and every receipt is unchanged."""
+    import atlas_tracking.capture as capture
+
+    one = measure(model, canary, config=CFG)
+    layers = find_routed_layers(model)
+    rows: list[int] = []
+    original = type(layers[0].experts).forward
+
+    def counting(self, hidden_states, *a, **kw):
+        rows.append(hidden_states.shape[0])
+        return original(self, hidden_states, *a, **kw)
+
+    monkeypatch.setattr(capture, "FIELD_ROWS_BUDGET", 1)
+    monkeypatch.setattr(type(layers[0].experts), "forward", counting)
+    chunked = measure(model, canary, config=CFG)
+    n, k = CFG.receipts.batch_windows * canary.window, layers[0].top_k
+    per_batch = len(rows) // (len(canary.batches(CFG.receipts.batch_windows)) * len(layers))
+    assert per_batch == math.ceil(n / (n * k // 2 // (k + 1)))
+    assert per_batch > 1
+    for calls in np.array(rows).reshape(-1, per_batch):  # per layer and micro-batch, in order
+        assert all(r <= n * k // 2 for r in calls[:-1])  # the last call also carries competitors and anchors
+    for a, b in zip(one.layers, chunked.layers):
+        for key in ("c2", "margin_mean", "ov_cf", "v2_c1", "v2_c2", "transition_incompat"):
+            assert a["receipts"][key] == pytest.approx(b["receipts"][key], abs=1e-6), key
