@@ -95,27 +95,26 @@ def baseline_size(model, canary: Canary) -> dict:
 _PEAK_CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, {examples!r}); sys.path.insert(0, {bench!r})
-from run import demo_model, demo_canary, plain_forward, QUIET
+from run import demo_model, realistic_model, demo_canary, plain_forward, QUIET
 from atlas_tracking import AtlasConfig, measure
-mode = {mode!r}
-model = demo_model(); canary = demo_canary()
-def vmhwm():
+mode, spec = {mode!r}, {spec!r}
+model = demo_model() if spec is None else realistic_model(**spec, device="cpu")
+canary = demo_canary() if spec is None else demo_canary(n_windows={windows!r})
+def status(key):
     for line in open('/proc/self/status'):
-        if line.startswith('VmHWM'): return int(line.split()[1]) * 1024
-def rss():
-    for line in open('/proc/self/status'):
-        if line.startswith('VmRSS'): return int(line.split()[1]) * 1024
+        if line.startswith(key): return int(line.split()[1]) * 1024
 cfg = AtlasConfig.from_dict(QUIET)
-small = demo_canary(n_windows=1)
-plain_forward(model, small, 8)  # loads kernels and lazy state once, on one window
+plain_forward(model, demo_canary(n_windows=1), 8)  # loads kernels and lazy state once, on one window
 open('/proc/self/clear_refs', 'w').write('5')
-before = rss()
+before = status('VmRSS')
 (plain_forward(model, canary, 8) if mode == 'plain' else measure(model, canary, config=cfg, keep_anchors=False))
-print(json.dumps({{'peak_over_start': vmhwm() - before}}))
+print(json.dumps({{'peak_over_start': status('VmHWM') - before}}))
 """
 
 
-def peak_memory(model, canary: Canary) -> dict:
+def peak_memory(model, canary: Canary, spec: dict | None = None, windows: int = 64) -> dict:
+    """Peak memory of a plain forward and of a gate over the canary (``spec``: a realistic model, on CPU
+    rebuilt in each child process)."""
     device = next(model.parameters()).device
     cfg = AtlasConfig.from_dict(QUIET)
     if device.type == "cuda":
@@ -131,7 +130,8 @@ def peak_memory(model, canary: Canary) -> dict:
         return out | {"ratio": out["gate"] / max(out["plain_forward"], 1), "how": "cuda max_memory_allocated"}
     out = {}
     for mode in ("plain", "gate"):
-        code = _PEAK_CHILD.format(examples=str(HERE.parent / "examples"), bench=str(HERE), mode=mode)
+        code = _PEAK_CHILD.format(examples=str(HERE.parent / "examples"), bench=str(HERE), mode=mode, spec=spec,
+                                  windows=windows)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             return {"error": proc.stderr[-500:]}
@@ -151,7 +151,8 @@ REALISTIC = {
 version of it on CPU, where the full one does not fit in a benchmark's time."""
 
 
-def realistic_model(hidden: int, moe_intermediate: int, experts: int, top_k: int, layers: int, device: str, dtype: str):
+def realistic_model(hidden: int, moe_intermediate: int, experts: int, top_k: int, layers: int, dtype: str,
+                    device: str = "cpu"):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -167,17 +168,19 @@ def realistic_model(hidden: int, moe_intermediate: int, experts: int, top_k: int
 
 
 def realistic(device: str, repeats: int) -> dict:
-    """Gate vs plain forward at realistic width, one row per expert count."""
+    """Gate vs plain forward at realistic width, one row per expert count, with peak memory."""
     spec = REALISTIC["cuda" if device.startswith("cuda") else "cpu"]
     canary = demo_canary(n_windows=spec["windows"])
     rows = []
     for e in spec["experts"]:
-        model = realistic_model(spec["hidden"], spec["moe_intermediate"], e, spec["top_k"], spec["layers"], device,
-                                spec["dtype"])
+        shape = {"hidden": spec["hidden"], "moe_intermediate": spec["moe_intermediate"], "experts": e,
+                 "top_k": spec["top_k"], "layers": spec["layers"], "dtype": spec["dtype"]}
+        model = realistic_model(**shape, device=device)
         t = interleaved({"plain": lambda m=model: plain_forward(m, canary, 8),
                          "gate": lambda m=model: measure(m, canary, config=AtlasConfig.from_dict(QUIET),
                                                          keep_anchors=False)}, repeats)
-        rows.append({"experts": e, **t, "ratio": t["gate"] / t["plain"]})
+        memory = peak_memory(model, canary, spec=shape, windows=spec["windows"])
+        rows.append({"experts": e, **t, "ratio": t["gate"] / t["plain"], "peak_memory": memory})
         del model
     return {**{k: v for k, v in spec.items() if k != "experts"}, "canary_tokens": canary.n_tokens, "rows": rows}
 
@@ -198,7 +201,7 @@ def training_overhead(steps: int, every: int) -> dict:
     times, gate_seconds, gate_count = {}, [], []
     for label in ("without", "with", "without_again", "with_again"):
         pl.seed_everything(0, verbose=False)
-        cbs = [AtlasCallback(canary, {"receipts": {"progress": False}})] if label.startswith("with") else []
+        cbs = [AtlasCallback(canary, {"receipts": {"progress": False}})] if label in ("with", "with_again") else []
         with tempfile.TemporaryDirectory() as d:
             trainer = pl.Trainer(max_steps=steps, val_check_interval=every, check_val_every_n_epoch=None, logger=False,
                                  default_root_dir=d, callbacks=cbs, enable_progress_bar=False,
