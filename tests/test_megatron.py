@@ -1,15 +1,20 @@
-"""Megatron-Core: the adapter's selection equals moe_utils.topk_routing_with_score_function (CPU);
-a full MoELayer forward with the adapter attached (CUDA only: Megatron's gating moves weights to the GPU)."""
+"""Megatron-Core: the adapter's selection equals moe_utils.topk_routing_with_score_function (CPU); real
+MoELayers (SequentialMLP, GroupedMLP) recombine, measure and verify on CPU; the training-loop example runs
+on CPU; a full MoELayer forward with the adapter attached on CUDA (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import math
+import sys
 import types
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from atlas_tracking.integrations.megatron import RouterSpec, megatron_selection  # noqa: E402
 
@@ -93,28 +98,15 @@ def test_full_moe_layer_forward_matches_the_adapter():
 
 @pytest.fixture(scope="module")
 def megatron_cpu():
-    """Megatron-Core process groups on one gloo rank, and a CPU stand-in (a mock, named as such) for
-    ``TopKRouter.gating``, whose only job here would be to move the router weights to CUDA."""
-    import os
-    import socket
+    """Megatron-Core process groups on one gloo rank, with the named CPU stand-ins of
+    ``examples/megatron_cpu.py`` (mocks for CUDA-only placement and state, e.g. ``TopKRouter.gating``,
+    whose only job here would be to move the router weights to CUDA)."""
+    from megatron_cpu import cpu_stand_ins, init_single_process
 
-    import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    original = TopKRouter.gating
-    TopKRouter.gating = lambda self, inp: F.linear(inp.float(), self.weight.float())
-    yield
-    TopKRouter.gating = original
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    with cpu_stand_ins():
+        teardown = init_single_process()
+        yield
+        teardown()
 
 
 def _cpu_gmm_stand_in(a, b, batch_sizes, trans_b=False):
@@ -243,3 +235,16 @@ def test_grouped_mlp_fields_equal_sequential_mlp_with_the_same_weights(megatron_
             ours, theirs = gl.expert_outputs(g, every), sl.expert_outputs(g, every)
         assert ours.shape == (40, 8, 32) and theirs.abs().min() > 0
         assert (ours - theirs).abs().max() < 1e-6
+
+
+def test_megatron_loop_example_runs_on_cpu(tmp_path):
+    """examples/megatron_loop.py end to end on CPU: a GPTModel with MoE layers trains and is gated."""
+    import json
+
+    import megatron_loop
+
+    assert megatron_loop.main(["--device", "cpu", "--steps", "6", "--every", "3", "--out", str(tmp_path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "gates.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 3, 6]
+    assert records[0]["status"] == "BASELINE" and records[-1]["loss"] is not None
+    assert all(len(r["layers"]) == 4 and math.isfinite(r["c2"]) for r in records)
