@@ -51,3 +51,23 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
                 if hasattr(module, "e_score_correction_bias"):
                     module.e_score_correction_bias.normal_(0, 0.1)
     return model
+
+
+def capture_layers(model, ids):
+    """One forward with hooks of our own on every routed layer's norm, router and block: the layers and,
+    per layer name, what each hook saw (``x``, ``g``, ``router``, ``out``)."""
+    from atlas_tracking.adapters import find_routed_layers
+
+    layers = find_routed_layers(model)
+    seen = {lay.name: {} for lay in layers}
+    handles = []
+    for lay in layers:
+        d = seen[lay.name]
+        handles.append(lay.norm.register_forward_hook(lambda m, i, o, d=d: d.update(x=i[0], g=o)))
+        handles.append(lay.router.register_forward_hook(lambda m, i, o, d=d: d.update(router=o)))
+        handles.append(lay.block.register_forward_hook(lambda m, i, o, d=d: d.update(out=o[0] if isinstance(o, tuple) else o)))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return layers, seen

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, family_model
+from families import FAMILIES, capture_layers, family_model
 
 from atlas_tracking.adapters import NoRoutedLayersError, find_routed_layers
-
-
-def _capture(model, ids):
-    """One forward with hooks of our own on every routed layer's norm, router and block."""
-    layers = find_routed_layers(model)
-    seen = {lay.name: {} for lay in layers}
-    handles = []
-    for lay in layers:
-        d = seen[lay.name]
-        handles.append(lay.norm.register_forward_hook(lambda m, i, o, d=d: d.update(x=i[0], g=o)))
-        handles.append(lay.router.register_forward_hook(lambda m, i, o, d=d: d.update(router=o)))
-        handles.append(lay.block.register_forward_hook(lambda m, i, o, d=d: d.update(out=o[0] if isinstance(o, tuple) else o)))
-    with torch.no_grad():
-        model(input_ids=ids)
-    for h in handles:
-        h.remove()
-    return layers, seen
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_active_sets_and_recombined_output_equal_the_model(family):
     model = family_model(family)
     ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
-    layers, seen = _capture(model, ids)
+    layers, seen = capture_layers(model, ids)
     assert layers, family
     for lay in layers:
         d = seen[lay.name]
@@ -55,7 +38,7 @@ def test_active_sets_and_recombined_output_equal_the_model(family):
 def test_fp32_scores_reproduce_the_choice_in_bf16(family):
     model = family_model(family, dtype=torch.bfloat16)
     ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(2))
-    layers, seen = _capture(model, ids)
+    layers, seen = capture_layers(model, ids)
     for lay in layers:
         d = seen[lay.name]
         routing = lay.routing(d["router"], d["g"].reshape(-1, d["g"].shape[-1]))
@@ -75,7 +58,7 @@ def test_deepseek_dense_layers_groups_and_scaling():
     layers = find_routed_layers(model)
     assert [lay.name for lay in layers] == ["model.layers.1.mlp", "model.layers.2.mlp"]  # layer 0 is dense
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
-    _, seen = _capture(model, ids)
+    _, seen = capture_layers(model, ids)
     lay = layers[0]
     d = seen[lay.name]
     routing = lay.routing(d["router"], d["g"].reshape(-1, 32))
@@ -91,7 +74,7 @@ def test_gpt_oss_router_bias_and_topk_softmax():
         lay.router.bias.zero_()
         lay.router.bias[3] = 50.0
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
-    _, seen = _capture(model, ids)
+    _, seen = capture_layers(model, ids)
     d = seen[lay.name]
     routing = lay.routing(d["router"], d["g"].reshape(-1, 32))
     assert bool((routing.active == 3).any(1).all())

@@ -176,7 +176,7 @@ def registered_families() -> dict[str, str]:
 def _load_builtin_families() -> None:
     """Register the built-in families (these modules import no framework; they match class names)."""
     from atlas_tracking.adapters import hf  # noqa: F401
-    from atlas_tracking.integrations import deepspeed, megatron  # noqa: F401
+    from atlas_tracking.integrations import autoep, deepspeed, megatron  # noqa: F401
 
 
 def _layer_index(name: str) -> int:
