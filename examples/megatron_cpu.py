@@ -1,84 +1,123 @@
-"""CPU stand-ins for the CUDA-only pieces of Megatron-Core, so that its models run on a CPU-only machine.
+"""Megatron-Core on one CPU rank: the stand-ins and settings that ``examples/megatron_loop.py`` and
+``tests/test_megatron.py`` use where Megatron-Core's own code only runs on CUDA.
 
-These are mocks, named as such: each replaces a CUDA placement or CUDA state, never arithmetic.
+Stand-ins (each replaces one piece of Megatron code whose only CUDA dependence is where it puts
+tensors; the arithmetic is unchanged):
 
-- ``TopKRouter.gating``: the real one moves the router weights to CUDA before ``F.linear``; the
-  stand-in computes the same fp32 logits where the weights are.
-- ``GlobalMemoryBuffer.get_tensor``: the real one preallocates attention's scratch buffer with
-  ``device=torch.cuda.current_device()``; the stand-in allocates it on the CPU.
-- ``tensor_parallel.get_cuda_rng_tracker``: the real tracker forks CUDA RNG states around attention
-  dropout; the stand-in's fork does nothing, so it is only valid with dropout 0 (``cpu_stand_ins``
-  checks nothing else: the model config must set ``attention_dropout=0.0``).
+* ``cpu_stand_in_for_router_gating`` replaces ``TopKRouter.gating``. The real gating first moves
+  the router weight (and bias) to ``torch.cuda.current_device()``, so it cannot run without CUDA.
+  The stand-in computes the same gating linear in the same routing dtype on the weights where they
+  are. It does not call ``moe_utils.router_gating_linear``: in Megatron-Core 0.16 that function
+  refers to ``te_general_gemm``, which is undefined when Transformer Engine is not installed.
+* ``CPUGlobalMemoryBuffer`` replaces the process-wide ``GlobalMemoryBuffer``. Its ``get_tensor``
+  allocates on ``torch.cuda.current_device()``. The pure-torch ``DotProductAttention`` of the local
+  layer spec takes its scratch tensor for ``baddbmm(..., beta=0)`` from it.
 
-``cpu_stand_ins()`` installs all three and restores the originals on exit; ``init_single_process``
-creates the one-rank gloo process group and Megatron's model-parallel groups where they do not exist.
+Settings (no code replaced):
+
+* A gloo process group of world size 1 and model-parallel sizes 1.
+* RNG: ``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``. That is Megatron's
+  tracker whose ``fork()`` is a no-op, so nothing reads CUDA RNG state. It is meant for
+  inference. With tensor parallelism 1 a separate model-parallel stream changes no semantics, so
+  attention dropout draws from torch's CPU generator like every other op. That generator is seeded
+  with ``torch.manual_seed(seed)``, as Megatron's own training setup does, and it also drives the
+  ``use_cpu_initialization`` weight init.
+* ``CPU_CONFIG``: ``TransformerConfig`` fields that differ on CPU. The alltoall dispatcher creates a
+  ``torch.cuda.Stream`` in its constructor. With one rank the allgather dispatcher routes and
+  combines the same tokens. ``TopKRouter`` allocates its expert-bias buffers on CUDA, so they are
+  off. The sigmoid top-k with an all-zero bias equals the top-k without one. A plain loop that
+  never calls Megatron's bias update (``finalize_model_grads``) keeps the bias at zero.
+* ``causal_mask``: Megatron builds its default causal mask on CUDA when ``attention_mask`` is
+  None (``transformer.utils.get_default_causal_mask``). On CPU the same mask is passed explicitly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import math
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mpu_random
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.utils import GlobalMemoryBuffer
+
+CPU_CONFIG = {"moe_token_dispatcher_type": "allgather", "moe_router_enable_expert_bias": False}
 
 
-def _cpu_gating(self, inp: torch.Tensor) -> torch.Tensor:
-    """Stand-in for ``TopKRouter.gating``: fp32 router logits, computed on the weights' device."""
-    return F.linear(inp.float(), self.weight.float())
+def cpu_stand_in_for_router_gating(self, input: torch.Tensor) -> torch.Tensor:
+    """CPU stand-in for ``megatron.core.transformer.moe.router.TopKRouter.gating``.
 
-
-def _cpu_buffer(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
-    """Stand-in for ``GlobalMemoryBuffer.get_tensor``: a fresh CPU tensor instead of a CUDA scratch buffer."""
-    return torch.empty(tensor_shape, dtype=dtype)
-
-
-class _NoRngTracker:
-    """Stand-in for Megatron's CUDA RNG tracker: ``fork`` does nothing (valid with dropout 0 only)."""
-
-    def fork(self, name: str = "model-parallel-rng") -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    The real method moves the router weight and bias to CUDA and then applies the gating linear
+    in the routing dtype (``moe_router_dtype`` fp32/fp64, else the input's dtype). This computes
+    the same ``input @ weight.T (+ bias)`` in that dtype, with the parameters left on the CPU.
+    """
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    bias = None if self.bias is None else self.bias.to(dtype)
+    return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 @contextlib.contextmanager
-def cpu_stand_ins() -> Iterator[None]:
-    """Install the three stand-ins above for the duration of the block."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    saved = (TopKRouter.gating, GlobalMemoryBuffer.get_tensor, tensor_parallel.get_cuda_rng_tracker)
-    TopKRouter.gating = _cpu_gating
-    GlobalMemoryBuffer.get_tensor = _cpu_buffer
-    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: _NoRngTracker()
+def cpu_router_gating() -> Iterator[None]:
+    """Use ``cpu_stand_in_for_router_gating`` as ``TopKRouter.gating`` inside the block. The
+    previous method is restored afterwards."""
+    original = TopKRouter.gating
+    TopKRouter.gating = cpu_stand_in_for_router_gating
     try:
         yield
     finally:
-        TopKRouter.gating, GlobalMemoryBuffer.get_tensor, tensor_parallel.get_cuda_rng_tracker = saved
+        TopKRouter.gating = original
 
 
-def init_single_process() -> Callable[[], None]:
-    """One gloo rank on 127.0.0.1 (a free port) and Megatron's model-parallel groups of size 1, unless
-    they exist already; returns the teardown of what this call created."""
-    from megatron.core import parallel_state
+class CPUGlobalMemoryBuffer(GlobalMemoryBuffer):
+    """CPU stand-in for Megatron's ``GlobalMemoryBuffer``. It works the same way (one reused tensor
+    per name and dtype, grown when too small) but allocates on the CPU and not on
+    ``torch.cuda.current_device()``."""
 
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = math.prod(tensor_shape)
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required_len:
+            self.buffer[(name, dtype)] = buffer = torch.empty(required_len, dtype=dtype, requires_grad=False)
+        return buffer[0:required_len].view(*tensor_shape)
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """The mask Megatron's ``get_default_causal_mask`` builds on CUDA: True above the diagonal (masked)."""
+    return torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+
+
+@contextlib.contextmanager
+def megatron_on_one_cpu_rank(seed: int = 0) -> Iterator[None]:
+    """Megatron-Core state for one CPU process inside the block, as described in the module docstring.
+
+    It reuses a process group or model-parallel state that already exists and tears down only
+    what it created. The global memory buffer, the RNG tracker and ``TopKRouter.gating`` are
+    restored or reset on exit.
+    """
     created_group = not torch.distributed.is_initialized()
     if created_group:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     created_parallel = not parallel_state.model_parallel_is_initialized()
     if created_parallel:
         parallel_state.initialize_model_parallel(1, 1)
-
-    def teardown() -> None:
+    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = CPUGlobalMemoryBuffer()
+    mpu_random.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+    torch.manual_seed(seed)
+    try:
+        with cpu_router_gating():
+            yield
+    finally:
+        mpu_random.initialize_rng_tracker(force_reset=True)
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         if created_parallel:
             parallel_state.destroy_model_parallel()
         if created_group:
             torch.distributed.destroy_process_group()
-
-    return teardown

@@ -1,14 +1,27 @@
-"""A Megatron-Core training loop with atlas gates: ``python examples/megatron_loop.py``.
+"""A Megatron-Core training loop with atlas gates, on one CUDA GPU or on the CPU: ``python examples/megatron_loop.py``.
 
-A small ``GPTModel`` with MoE layers (local layer spec, SequentialMLP experts, group-limited top-k)
-trains on byte-level prose; every ``--every`` steps the loop calls ``gate.run(step, loss)``.
+A small ``GPTModel`` with MoE layers (sigmoid router, group-limited top-k, SequentialMLP experts,
+local layer spec with the pure-torch ``DotProductAttention``) trains on byte-level prose. Every
+``--every`` steps the loop calls ``gate.run(step, loss)`` and writes ``gates.jsonl`` under ``--out``.
 
-On a CUDA GPU (NCCL, one rank) the router is a sigmoid with expert bias and the alltoall dispatcher.
-On a CPU-only machine it runs on one gloo rank with three named stand-ins for Megatron-Core's
-CUDA-only pieces (router gating, attention's scratch buffer, the CUDA RNG tracker; see
-``megatron_cpu.py``) and the CPU-constructible options: a softmax router (the expert-bias buffers
-are allocated on CUDA), the allgather dispatcher (alltoall creates a CUDA stream), dropout 0 and
-an explicit causal mask (the default one is built on CUDA).
+With CUDA the run is as before: NCCL process group, ``model_parallel_cuda_manual_seed``, a router
+with expert bias and the alltoall token dispatcher.
+
+Without CUDA the model trains end to end on one gloo rank (world size 1). The set-up lives in
+``examples/megatron_cpu.py``, which ``tests/test_megatron.py`` shares. That module's docstring
+explains each item:
+
+* ``cpu_stand_in_for_router_gating`` replaces ``TopKRouter.gating``. The real gating moves the
+  router weights to CUDA. The stand-in computes the same gating linear on the CPU.
+* ``CPUGlobalMemoryBuffer`` allocates the attention's scratch buffer on the CPU.
+* RNG: Megatron's no-op-fork tracker plus a seeded torch CPU generator.
+* The allgather dispatcher replaces the alltoall one. With one rank both route and combine the
+  same tokens, and the alltoall dispatcher creates a CUDA stream.
+* The expert bias is off. Its buffers are allocated on CUDA, and it stays zero in this loop
+  anyway (nothing calls Megatron's bias update).
+* The causal mask is passed explicitly; Megatron's default one is built on CUDA.
+
+The defaults (100 steps, a gate every 25) take about 25 s on an otherwise idle 2-core CPU.
 """
 
 from __future__ import annotations
@@ -24,99 +37,83 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SEQ = 128
 
-
-def build_model(cpu: bool, vocab: int = 256, seq: int = SEQ):
+def build_model(vocab: int = 256, seq: int = 128, **config_overrides):
+    """The example's GPTModel; ``config_overrides`` replace ``TransformerConfig`` fields (e.g. ``CPU_CONFIG``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    router = ({"moe_router_score_function": "softmax"} if cpu else
-              {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True})
-    config = TransformerConfig(
+    fields = dict(
         num_layers=4, hidden_size=128, num_attention_heads=4, num_moe_experts=16, moe_router_topk=2,
-        moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.0,
-        moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather" if cpu else "alltoall",
-        normalization="RMSNorm", add_bias_linear=False, params_dtype=torch.float32, use_cpu_initialization=True,
-        attention_dropout=0.0 if cpu else 0.1, hidden_dropout=0.0 if cpu else 0.1, **router,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.0, moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall", normalization="RMSNorm", add_bias_linear=False,
+        params_dtype=torch.float32, use_cpu_initialization=True,
     )
+    config = TransformerConfig(**{**fields, **config_overrides})
     spec = get_gpt_layer_local_spec(num_experts=16, moe_grouped_gemm=False)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from demo_data import encode, prose_text
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from atlas_tracking import Canary
+    from atlas_tracking.gate import AtlasGate
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--out", default="out/megatron/atlas")
     args = parser.parse_args(argv)
-    cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     with contextlib.ExitStack() as stack:
-        if cpu:
-            from megatron_cpu import cpu_stand_ins, init_single_process
-
-            stack.enter_context(cpu_stand_ins())
-            stack.callback(init_single_process())
-        else:
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+        if torch.cuda.is_available():
+            device = "cuda"
             for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK="0", WORLD_SIZE="1").items():
                 os.environ.setdefault(key, value)
             torch.distributed.init_process_group("nccl")
             parallel_state.initialize_model_parallel(1, 1)
             model_parallel_cuda_manual_seed(0)
-            stack.callback(_teardown)
-        torch.manual_seed(0)
-        device = torch.device("cpu" if cpu else "cuda")
-        model = build_model(cpu).to(device)
-        return train(model, device, args)
+            model = build_model().cuda()
+            mask = None
+        else:  # see examples/megatron_cpu.py for each stand-in and setting
+            from megatron_cpu import CPU_CONFIG, causal_mask, megatron_on_one_cpu_rank
 
+            device = "cpu"
+            stack.enter_context(megatron_on_one_cpu_rank(seed=0))
+            model = build_model(**CPU_CONFIG)
+            mask = causal_mask(128)
+        text = encode(prose_text())
+        canary = Canary.from_token_ids(text[-100_000:], window=128, n_windows=32, seed=0)
+        positions = torch.arange(128, device=device).unsqueeze(0)
 
-def train(model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> int:
-    """Byte-level LM training with a gate every ``args.every`` steps, recorded under ``args.out``."""
-    from demo_data import encode, prose_text
+        def forward(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            return m(ids, positions.expand(ids.shape[0], -1), mask)
 
-    from atlas_tracking import Canary
-    from atlas_tracking.gate import AtlasGate
-
-    text = encode(prose_text())
-    canary = Canary.from_token_ids(text[-100_000:], window=SEQ, n_windows=32, seed=0)
-    positions = torch.arange(SEQ, device=device).unsqueeze(0)
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=device), diagonal=1).view(1, 1, SEQ, SEQ)
-
-    def forward(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return m(ids, positions.expand(ids.shape[0], -1), causal)
-
-    gate = AtlasGate(model, canary, {"receipts": {"progress": False}}, out_dir=args.out, forward=forward)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    rng = np.random.default_rng(0)
-    loss = None
-    for step in range(args.steps + 1):
-        if step % args.every == 0:
-            record = gate.run(step, loss=None if loss is None else loss.item())
-            print(f"step {step:4d} {record['status']:8s} {record['stage']:9s} c2={record['c2']:+.4f} "
-                  f"dead={record['dead_experts']:.2f} loss={'-' if loss is None else f'{loss.item():.3f}'}")
-        if step == args.steps:
-            break
-        starts = rng.integers(0, len(text) - SEQ - 1, 8)
-        ids = torch.from_numpy(np.stack([text[s : s + SEQ] for s in starts])).to(device)
-        logits = forward(model, ids)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        gate = AtlasGate(model, canary, {"receipts": {"progress": False}}, out_dir=args.out, forward=forward)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        rng = np.random.default_rng(0)
+        loss = None
+        for step in range(args.steps + 1):
+            if step % args.every == 0:
+                record = gate.run(step, loss=None if loss is None else loss.item())
+                print(f"step {step:4d} {record['status']:8s} {record['stage']:9s} c2={record['c2']:+.4f} "
+                      f"dead={record['dead_experts']:.2f}")
+            if step == args.steps:
+                break
+            starts = rng.integers(0, len(text) - 129, 8)
+            ids = torch.from_numpy(np.stack([text[s : s + 128] for s in starts])).to(device)
+            logits = forward(model, ids)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        gate.finish()
     print(f"gate records: {Path(args.out) / 'gates.jsonl'}")
     return 0
-
-
-def _teardown() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

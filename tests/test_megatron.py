@@ -1,9 +1,10 @@
-"""Megatron-Core: the adapter's selection equals moe_utils.topk_routing_with_score_function (CPU); real
-MoELayers (SequentialMLP, GroupedMLP) recombine, measure and verify on CPU; the training-loop example runs
-on CPU; a full MoELayer forward with the adapter attached on CUDA (skipped without a GPU)."""
+"""Megatron-Core: the adapter's selection equals moe_utils.topk_routing_with_score_function (CPU);
+a full MoELayer forward with the adapter attached (CUDA, and on CPU with the stand-in for the router's
+CUDA-only gating from examples/megatron_cpu.py); examples/megatron_loop.py end to end on CPU."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -17,6 +18,7 @@ moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from atlas_tracking.integrations.megatron import RouterSpec, megatron_selection  # noqa: E402
+from megatron_cpu import cpu_router_gating  # noqa: E402
 
 CASES = {
     "softmax_post": RouterSpec(topk=2),
@@ -98,15 +100,24 @@ def test_full_moe_layer_forward_matches_the_adapter():
 
 @pytest.fixture(scope="module")
 def megatron_cpu():
-    """Megatron-Core process groups on one gloo rank, with the named CPU stand-ins of
-    ``examples/megatron_cpu.py`` (mocks for CUDA-only placement and state, e.g. ``TopKRouter.gating``,
-    whose only job here would be to move the router weights to CUDA)."""
-    from megatron_cpu import cpu_stand_ins, init_single_process
+    """Megatron-Core process groups on one gloo rank, and ``examples/megatron_cpu.py``'s CPU stand-in
+    for ``TopKRouter.gating`` (the real one moves the router weights to CUDA first)."""
+    import os
+    import socket
 
-    with cpu_stand_ins():
-        teardown = init_single_process()
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    with cpu_router_gating():
         yield
-        teardown()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
 
 
 def _cpu_gmm_stand_in(a, b, batch_sizes, trans_b=False):
@@ -237,14 +248,21 @@ def test_grouped_mlp_fields_equal_sequential_mlp_with_the_same_weights(megatron_
         assert (ours - theirs).abs().max() < 1e-6
 
 
-def test_megatron_loop_example_runs_on_cpu(tmp_path):
-    """examples/megatron_loop.py end to end on CPU: a GPTModel with MoE layers trains and is gated."""
-    import json
-
+def test_megatron_loop_example_runs_on_cpu(tmp_path, monkeypatch, capsys):
+    """examples/megatron_loop.py's main() on the CPU path (CUDA hidden if present): a GPTModel trains
+    and every gate writes one record to gates.jsonl."""
     import megatron_loop
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    assert megatron_loop.main(["--device", "cpu", "--steps", "6", "--every", "3", "--out", str(tmp_path)]) == 0
-    records = [json.loads(line) for line in (tmp_path / "gates.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 3, 6]
-    assert records[0]["status"] == "BASELINE" and records[-1]["loss"] is not None
-    assert all(len(r["layers"]) == 4 and math.isfinite(r["c2"]) for r in records)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gating = TopKRouter.gating
+    out = tmp_path / "atlas"
+    assert megatron_loop.main(["--steps", "4", "--every", "2", "--out", str(out)]) == 0
+    assert TopKRouter.gating is gating  # the stand-in is removed again
+    records = [json.loads(line) for line in (out / "gates.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert records[0]["status"] == "BASELINE" and records[0]["loss"] is None
+    assert all(math.isfinite(r["c2"]) for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records[1:])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [int(line.split()[1]) for line in printed] == [0, 2, 4]
