@@ -164,6 +164,8 @@ class LayerAccumulator:
         self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+        self.drift_sums: torch.Tensor | None = None
+        self.drift_counts: torch.Tensor | None = None
 
     def enable_drift(self) -> None:
         w, d = self.n_windows, self.device
@@ -182,7 +184,7 @@ class LayerAccumulator:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
         stacks = [self.sums, self.counts]
-        if hasattr(self, "drift_sums"):
+        if self.drift_sums is not None:
             stacks = [torch.cat([self.sums, self.drift_sums]), torch.cat([self.counts, self.drift_counts])]
         for names, stack in zip((self.sum_names, self.count_names), stacks):
             host.update(zip(names, stack.cpu().numpy()))
@@ -380,8 +382,9 @@ class LayerCapture:
         competitor; and each anchor batch's experts. A call of the model's experts holds at most
         ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
         since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
-        so narrow models make one call), and only per-token reductions outlive it: State2 comes from the Gram matrix of the tangent fields,
-        the distances and the jump from three ``[N, d]`` fields (tangent projection is linear).
+        so narrow models make one call), and only per-token reductions outlive it: State2 comes from
+        the Gram matrix of the tangent fields, the distances and the jump from three ``[N, d]`` fields
+        (tangent projection is linear).
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape

@@ -54,6 +54,7 @@ _LAST_MULTIPLICITY: list[tuple[np.ndarray, np.ndarray]] = []
 
 
 def float_multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
+    """:func:`multiplicity` as float64, reused while the same ``idx`` array is passed again."""
     if _LAST_MULTIPLICITY and _LAST_MULTIPLICITY[0][0] is idx and _LAST_MULTIPLICITY[0][1].shape[1] == n_windows:
         return _LAST_MULTIPLICITY[0][1]
     mult = multiplicity(idx, n_windows).astype(np.float64)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
-from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, multiplicity, ratio, ratio_ci
+from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, float_multiplicity, ratio, ratio_ci
 
 RATIO_RECEIPTS: tuple[str, ...] = (
     "margin_mean",
@@ -77,7 +77,7 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) ->
 
 def _weighted_median_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each resample (row of ``mult``), the first sorted position whose cumulative weight reaches half
-    the total, where value i weighs ``mult[b, window_of[i]]``; and the totals.
+    the total, where value i weighs ``mult[b, window_of[i]]`` (float multiplicities); and the totals.
 
     Exact, in two passes that keep the working set to ``O(B sqrt(n) + W sqrt(n))``: cumulative weights at
     block ends (one matrix product) find each resample's block, then one block is scanned per resample.
@@ -87,7 +87,7 @@ def _weighted_median_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple
     n_blocks = -(-n // blk)
     per_block = np.bincount(np.arange(n) // blk * mult.shape[1] + window_of, minlength=n_blocks * mult.shape[1])
     counts_to_end = np.cumsum(per_block.reshape(n_blocks, mult.shape[1]), axis=0)
-    cum_end = mult.astype(np.float64) @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
+    cum_end = mult @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
     total = cum_end[:, -1]
     block = np.argmax(2 * cum_end >= total[:, None], axis=1)
     before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
@@ -120,7 +120,7 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     window_of = np.repeat(np.arange(len(per_window_values)), lengths)
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
-    pos, total = _weighted_median_positions(window_of, multiplicity(idx, len(per_window_values)))
+    pos, total = _weighted_median_positions(window_of, float_multiplicity(idx, len(per_window_values)))
     samples = np.where(total > 0, flat[pos], np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
