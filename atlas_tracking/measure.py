@@ -30,7 +30,7 @@ from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.anchors import AnchorPlan
-from atlas_tracking.canary import Canary
+from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.capture import (
     LayerAccumulator,
     LayerCapture,
@@ -66,13 +66,6 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _model_limits(model: nn.Module) -> tuple[int | None, int | None]:
-    cfg = getattr(model, "config", None)
-    vocab = getattr(cfg, "vocab_size", None)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    return (int(vocab) if vocab else None, int(max_pos) if max_pos else None)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -277,7 +270,7 @@ def measure(
     """
     cfg = AtlasConfig.coerce(config)
     layers = layers if layers is not None else find_routed_layers(model)
-    canary.check_fits(*_model_limits(model))
+    check_canary_fits(model, canary)
     if baseline is not None:
         baseline.check_compatible([lay.describe() for lay in layers], type(model).__name__, canary.fingerprint)
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)

@@ -46,9 +46,9 @@ def test_empty_canary_and_short_windows():
 
 def test_window_longer_than_context_and_ids_out_of_vocab():
     model = family_model("qwen3_moe")
-    with pytest.raises(CanaryError, match=r"window length 200 exceeds the model's context \(max_position_embeddings=128\)"):
+    with pytest.raises(CanaryError, match=r"window length 200 exceeds the model's context \(config.max_position_embeddings=128\)"):
         measure(model, _canary(window=200), config=QUIET)
-    with pytest.raises(CanaryError, match=r"token id \d+ is out of the model's vocabulary \(vocab_size=64\)"):
+    with pytest.raises(CanaryError, match=r"token id \d+ is out of the model's vocabulary \(config.vocab_size=64\)"):
         measure(model, _canary(vocab=500), config=QUIET)
 
 
