@@ -289,11 +289,12 @@ class AtlasGate:
         self.claim()
         payload: Any = None
         if _is_rank_zero():
+            repaired = self.run_dir.repair()
             lineage = self._restored.get("lineage") if self._restored else None
             moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"))
             history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
-            payload = (moved, history)
-        moved, history = _from_rank_zero(payload)
+            payload = (moved, history, repaired)
+        moved, history, repaired = _from_rank_zero(payload)
         last = self.lineage[-1][0] if self.lineage else -1
         caught = 0
         for rec in history:
@@ -308,7 +309,7 @@ class AtlasGate:
         if _is_rank_zero():
             delivered = self.delivery.catch_up(
                 history, lambda r: gate_metrics(r, self.config.gate.log_per_layer), self._tracker_step)
-        return {"moved_aside": moved, "caught_up": caught, "redelivered": delivered}
+        return {"moved_aside": moved, "caught_up": caught, "redelivered": delivered, **repaired}
 
     def finish(self) -> None:
         self.delivery.finish()

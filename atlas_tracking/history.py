@@ -47,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -335,6 +336,38 @@ class RunDir:
             if tmp.is_symlink():
                 tmp.unlink()
             log.warning("atlas: cannot link %s to %s; the current baseline is %s", link, target, target)
+
+    # --- repair --------------------------------------------------------------------------------
+    def repair(self) -> dict[str, int]:
+        """Undo what a killed writer leaves behind; returns the counts.
+
+        A record file's last line without a newline is cut off (it was never a complete record);
+        temporary files and folders of interrupted atomic writes are removed (never acknowledged).
+        """
+        torn = 0
+        for name in RECORD_FILES:
+            path = self.path / name
+            if not path.is_file():
+                continue
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                _cut_torn_tail(fd, path)
+                torn += int(os.fstat(fd).st_size != size)
+            finally:
+                os.close(fd)
+        leftovers = 0
+        for folder in (self.path, self.receipts, self.baselines):
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*"):
+                if tmp.name.endswith(".tmp") or (folder == self.baselines and tmp.is_dir()):
+                    if tmp.is_dir() and not tmp.is_symlink():
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    else:
+                        tmp.unlink(missing_ok=True)
+                    leftovers += 1
+        return {"torn_lines_cut": torn, "temporary_files_removed": leftovers}
 
     # --- rewind --------------------------------------------------------------------------------
     def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None) -> int:

@@ -100,7 +100,7 @@ class LoggingSink:
 
         self.logger.info(
             "atlas gate step=%s status=%s stage=%s %s",
-            step, record.get("status", "-"), record.get("stage", "-"), summary_line(record),
+            record.get("step", step), record.get("status", "-"), record.get("stage", "-"), summary_line(record),
         )
 
     def alert(self, event: dict[str, Any]) -> None:
