@@ -295,15 +295,16 @@ class AtlasGate:
             history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
             payload = (moved, history, repaired)
         moved, history, repaired = _from_rank_zero(payload)
-        last = self.lineage[-1][0] if self.lineage else -1
+        read = self.lineage or self.policy.history  # a state saved before lineages were kept has only the latter
+        last = int(read[-1][0] if self.lineage else read[-1]["step"]) if read else -1
         caught = 0
         for rec in history:
             if last < rec["step"] <= step:
                 decision = self.policy.read(GateSummary.from_dict(rec)).to_dict()
                 self.alerts.evaluate(decision, rec)
                 self.gates_run += 1
-                self.lineage.append(list(key(rec)))
                 caught += 1
+        self.lineage = [list(key(rec)) for rec in history]
         self.mark_resume()
         delivered = 0
         if _is_rank_zero():

@@ -86,6 +86,13 @@ def key(record: dict[str, Any]) -> tuple[int, str | None]:
     return int(record["step"]), record.get("branch")
 
 
+def _identity(record: dict[str, Any]) -> tuple:
+    """A gate's identity in a rewind: (step, branch); a record written before branches, by its content."""
+    if record.get("branch") is not None:
+        return key(record)
+    return int(record["step"]), None, json.dumps(record, sort_keys=True)
+
+
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -383,12 +390,12 @@ class RunDir:
         """
         live = read_lines(self.gates)
         parked = read_lines(self.abandoned)
-        every: dict[tuple[int, str | None], dict[str, Any]] = {}
+        every: dict[tuple, dict[str, Any]] = {}
         for rec in parked + live:
-            every.setdefault(key(rec), rec)
+            every.setdefault(_identity(rec), rec)
         if lineage is None:
             history, _ = monotone(live)
-            wanted = {key(r) for r in history if r["step"] <= step}
+            wanted = {_identity(r) for r in history if r["step"] <= step}
         else:
             wanted = {(int(s), b) for s, b in lineage if int(s) <= step}
             last = max((s for s, _ in wanted), default=-1)
@@ -398,9 +405,9 @@ class RunDir:
         if len(set(steps)) != len(steps):
             raise HistoryError(f"{self.gates}: the restored lineage holds two gates at one step ({steps})")
         rest = [every[k] for k in every if k not in wanted]
-        live_keys = [key(r) for r in live]
-        moved = sum(1 for k in live_keys if k not in wanted) + sum(1 for r in history if key(r) not in live_keys)
-        if moved == 0 and live_keys == [key(r) for r in history] and len(parked) == len(rest):
+        live_keys = [_identity(r) for r in live]
+        moved = sum(1 for k in live_keys if k not in wanted) + sum(1 for r in history if _identity(r) not in live_keys)
+        if moved == 0 and live_keys == [_identity(r) for r in history] and len(parked) == len(rest):
             self._settle_receipts(history, rest)
         else:
             write_lines(self.abandoned, [every[k] for k in every])  # 1. a superset: nothing can be lost

@@ -191,3 +191,26 @@ def test_plain_loop_resumes_older_latest_twice_and_back_to_an_abandoned_branch(t
     assert len({(r["step"], r["branch"]) for r in every}) == len(every) == 10
     _receipts_match(tmp_path, history)
     assert e.state_dict()["lineage"] == [[r["step"], r["branch"]] for r in history]
+
+
+def test_state_and_record_from_before_branches_resume_into_one_history(tmp_path):
+    """A checkpoint keyed the old way (by canary) and a record without run ids: found, adopted, resolved."""
+    atlas = tmp_path / "atlas"
+    _fit(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET), _checkpoints(tmp_path)])
+    legacy = [{k: v for k, v in r.items() if k not in ("run_id", "branch")} for r in _lines(atlas / "gates.jsonl")]
+    (atlas / "run.json").unlink()
+    # the record a resume from step 10 used to leave: the old 20 stays, the new branch appends 20 again
+    (atlas / "gates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*legacy, {**legacy[2], "c2": 0.5}]))
+    ckpt = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)
+    state = ckpt["callbacks"].pop("AtlasCallback")
+    for name in ("run_id", "branch", "lineage"):
+        state["gate"].pop(name)
+    state["gate"]["baseline_canary"] = state["gate"].pop("canary_fingerprint")
+    ckpt["callbacks"][f"AtlasCallback{{'canary': '{tiny_canary().fingerprint[:16]}'}}"] = state
+    torch.save(ckpt, tmp_path / "legacy.ckpt")
+    cb = AtlasCallback(canary=tiny_canary(), config=QUIET)
+    _fit(tmp_path, 30, [cb], ckpt_path=str(tmp_path / "legacy.ckpt"), enable_checkpointing=False)
+    records = _lines(atlas / "gates.jsonl")
+    assert _steps(records) == [0, 10, 20, 30] and records[2]["resume"] and records[2]["status"] == "BASELINE"
+    assert records[:2] == legacy[:2] and cb.resume_counts["moved_aside"] == 2
+    assert [r["c2"] for r in _lines(atlas / "gates.abandoned.jsonl")] == [legacy[2]["c2"], 0.5]
