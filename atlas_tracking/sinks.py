@@ -172,7 +172,12 @@ def tracker_run(sink: Any) -> str | None:
 
 
 class Delivery:
-    """Local record first, then every sink, each guarded with a replaying backlog."""
+    """Local record first, then every sink, each guarded with a replaying backlog.
+
+    A sink's backlog holds units (a gate with its alerts and the note that the tracker run holds
+    it); a full backlog (``backlog_limit`` gates and alerts) drops whole units, oldest first, with a
+    warning: what a tracker run lacks is sent again from the record at the next resume.
+    """
 
     def __init__(
         self,
@@ -185,7 +190,7 @@ class Delivery:
         self.sinks = list(sinks)
         self.warn = warn or _warn
         self.backlog_limit = backlog_limit
-        self._backlog: dict[str, deque] = {s.name: deque(maxlen=backlog_limit) for s in self.sinks}
+        self._backlog: dict[str, deque[list[tuple[str, tuple]]]] = {s.name: deque() for s in self.sinks}
         self._down: set[str] = set()
 
     def add(self, sink: Any) -> None:
@@ -193,36 +198,51 @@ class Delivery:
         if sink.name in self._backlog:
             return
         self.sinks.append(sink)
-        self._backlog[sink.name] = deque(maxlen=self.backlog_limit)
+        self._backlog[sink.name] = deque()
 
     def backlog_size(self, name: str) -> int:
         """Gates and alerts queued for a sink that is down."""
-        return sum(1 for method, _ in self._backlog.get(name, ()) if method != "acknowledge")
+        return sum(1 for unit in self._backlog.get(name, ()) for method, _ in unit if method != "acknowledge")
 
     def _call(self, sink: Any, items: list[tuple[str, tuple]]) -> None:
         queue = self._backlog[sink.name]
-        queue.extend(items)
+        queue.append(list(items))
+        if not self._drain(sink, queue):
+            dropped = 0
+            while self.backlog_size(sink.name) > self.backlog_limit and len(queue) > 1:
+                queue.popleft()
+                dropped += 1
+            if dropped:
+                self.warn(f"atlas: {sink.name} backlog is full; the {dropped} oldest queued gate(s) or alert(s) "
+                          "were dropped from memory (they stay in the local record and are sent at the next resume)")
+
+    def _drain(self, sink: Any, queue: deque[list[tuple[str, tuple]]]) -> bool:
+        """Deliver queued units in order; False when the sink failed (the rest stays queued)."""
         while queue:
-            m, a = queue[0]
-            try:
-                if m == "acknowledge":
-                    if self.local is not None:
-                        self.local.acknowledge(sink.name, *a)
-                else:
-                    getattr(sink, m)(*a)
-            except Exception as exc:  # a tracker must never stop training
-                if sink.name not in self._down:
-                    self._down.add(sink.name)
-                    what = _what(m, a)
-                    self.warn(
-                        f"atlas: {sink.name} did not receive {what} ({type(exc).__name__}: {str(exc)[:200]}); "
-                        f"kept locally, {len(queue)} item(s) queued for retry at the next gate"
-                    )
-                return
+            unit = queue[0]
+            while unit:
+                m, a = unit[0]
+                try:
+                    if m == "acknowledge":
+                        if self.local is not None:
+                            self.local.acknowledge(sink.name, *a)
+                    else:
+                        getattr(sink, m)(*a)
+                except Exception as exc:  # a tracker must never stop training
+                    if sink.name not in self._down:
+                        self._down.add(sink.name)
+                        self.warn(
+                            f"atlas: {sink.name} did not receive {_what(m, a)} ({type(exc).__name__}: "
+                            f"{str(exc)[:200]}); kept locally, {self.backlog_size(sink.name)} item(s) queued for "
+                            "retry at the next gate"
+                        )
+                    return False
+                unit.pop(0)
             queue.popleft()
         if sink.name in self._down:
             self._down.discard(sink.name)
             self.warn(f"atlas: {sink.name} is reachable again; queued gates and alerts were delivered")
+        return True
 
     def _send(self, sink: Any, record: dict[str, Any], metrics: dict[str, float], step: int,
               alerts: list[dict[str, Any]]) -> None:
