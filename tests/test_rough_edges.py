@@ -16,6 +16,7 @@ import pytest
 import torch
 from atlas_tracking.integrations.lightning import AtlasCallback
 from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
+from test_callback_options import CLI_MODULE
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, find_routed_layers, measure
 from atlas_tracking.cli import main as cli
@@ -36,29 +37,6 @@ def _fit(root, steps, callbacks, **kw):
     return module
 
 
-CLI_SCRIPT = '''
-import sys
-sys.path.insert(0, {tests!r})
-from lightning.pytorch.cli import LightningCLI
-from lightning_helpers import tiny_data
-from moe_lightning import MoELM, build_qwen3_moe
-
-
-class Module(MoELM):
-    def __init__(self):
-        super().__init__(build_qwen3_moe(seed=0, hidden=32, layers=2, experts=8), lr=3e-3)
-
-    def train_dataloader(self):
-        return tiny_data(10)[0]
-
-    def val_dataloader(self):
-        return tiny_data(10)[1]
-
-
-LightningCLI(Module, args=["fit", "--config", {config!r}])
-'''
-
-
 def test_lightning_cli_wrong_config_key_is_said_first(tmp_path):
     """One wrong key in the callback's atlas config: the error naming it comes before the parser's traceback."""
     tiny_canary().save(tmp_path / "canary.npz")
@@ -77,7 +55,7 @@ trainer:
         config: {{policy: {{c2_toll: 0.1}}}}
 """)
     script = tmp_path / "cli.py"
-    script.write_text(CLI_SCRIPT.format(tests=str(Path(__file__).parent), config=str(config)))
+    script.write_text(CLI_MODULE.format(tests=str(Path(__file__).parent), config=str(config)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode != 0
