@@ -128,6 +128,7 @@ class AtlasCallback(pl.Callback):
         self._restored: dict[str, Any] | None = None
         self._green: list[str] = []
         self._loss_warned: set[str] = set()
+        self._checkpoint_step = 0
         self.last_record: dict[str, Any] | None = None
         self.resume_counts: dict[str, int] | None = None
         """What the last resume did: gates moved aside, caught up, re-delivered to trackers."""
@@ -146,6 +147,7 @@ class AtlasCallback(pl.Callback):
         )
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_step = int(checkpoint.get("global_step") or 0)
         # checkpoints written before the state key was the class name keyed it by the canary
         if self._restored is None:
             for name, state in (checkpoint.get("callbacks") or {}).items():
@@ -218,7 +220,10 @@ class AtlasCallback(pl.Callback):
 
     def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
         assert self.gate is not None
-        step = int(trainer.global_step)
+        # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step
+        step = int(trainer.global_step) or self._checkpoint_step
+        if self._restored is not None and "gate" in self._restored:
+            self.gate.load_state_dict(self._restored["gate"])
         try:
             self.last_record = self.gate.evaluate(step, self._loss(trainer, kind), kind=kind)
         except Exception as exc:

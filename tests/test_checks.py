@@ -22,10 +22,10 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 def _trainer(root, steps, callbacks, **kw):
+    kw.setdefault("enable_checkpointing", False)
     return pl.Trainer(max_steps=steps, val_check_interval=10, check_val_every_n_epoch=None, logger=False,
                       default_root_dir=str(root), callbacks=callbacks, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
-                      enable_checkpointing=False, **kw)
+                      enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1, **kw)
 
 
 def _records(root, name="gates.jsonl"):
@@ -141,3 +141,18 @@ def test_validate_alone_runs_a_gate(tmp_path):
     assert evaluation["kind"] == "validate" and evaluation["step"] == 0 and evaluation["loss"] is not None
     assert evaluation["c2"] is not None and not (tmp_path / "atlas" / "gates.jsonl").exists()
     assert np.isfinite(evaluation["canary_nll"])
+
+
+def test_validate_from_a_checkpoint_reads_against_that_runs_state(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    train, val = tiny_data(20)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10)
+    _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET), ckpt],
+             enable_checkpointing=True).fit(tiny_module(), train, val)
+    history = _records(tmp_path)
+    trainer = _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET)])
+    trainer.validate(tiny_module(seed=3), val, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    (evaluation,) = _records(tmp_path, "evaluations.jsonl")
+    assert evaluation["step"] == 20 and evaluation["baseline_step"] == 0 and evaluation["status"] != "BASELINE"
+    assert evaluation["run_id"] == history[0]["run_id"] and _records(tmp_path) == history
