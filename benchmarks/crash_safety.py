@@ -113,6 +113,16 @@ def child(root: Path, max_steps: int, arm: str | None) -> int:
     if arm:
         kind, count = arm.split(":")
         _arm(root, kind, int(count))
+    import atlas_tracking.gate as gate_module
+
+    resume = gate_module.AtlasGate.resume
+
+    def resume_and_say(self, step, state):
+        counts = resume(self, step, state)
+        print("RESUME " + json.dumps({"step": step, **counts}), flush=True)
+        return counts
+
+    gate_module.AtlasGate.resume = resume_and_say
     import lightning.pytorch as pl
     import wandb
     from atlas_tracking.integrations.lightning import AtlasCallback
@@ -139,8 +149,6 @@ def child(root: Path, max_steps: int, arm: str | None) -> int:
                          accelerator="cpu", devices=1)
     last = root / "ckpt" / "last.ckpt"
     trainer.fit(tiny_module(), train, val, ckpt_path=str(last) if last.exists() else None)
-    if callback.resume_counts is not None:
-        print("RESUME " + json.dumps(callback.resume_counts), flush=True)
     wandb.finish()
     return 0
 
@@ -226,9 +234,15 @@ def _run(root: Path, plan: list[str], rng: random.Random, max_steps: int, final_
     last_step = max((s for s, _ in acknowledged), default=0)
     final = _spawn(root, last_step + final_extra, None, log)
     final_rc = final.wait(timeout=1800)
+    log.flush()
+    lines = (root / "children.log").read_bytes().splitlines()
+    resumes = [json.loads(line.split(b"RESUME ", 1)[1]) for line in lines if line.startswith(b"RESUME ")]
+    totals = {f"resume_{k}": sum(r[k] for r in resumes) for k in ("moved_aside", "caught_up", "redelivered")}
     return {"kills": done, "finished_before_the_kill": finished_early, "final_exit_code": final_rc,
             "torn_gate_lines_seen_after_kills": torn_seen, "acknowledged": len(acknowledged),
-            "wall_seconds": round(time.perf_counter() - t0, 1), **check(root, acknowledged)}
+            "torn_lines_cut": sum(b"cut short by a crash" in line for line in lines),
+            "completed_resumes": len(resumes), **totals, "wall_seconds": round(time.perf_counter() - t0, 1),
+            **check(root, acknowledged)}
 
 
 def check(root: Path, acknowledged: set[tuple[int, str | None]]) -> dict[str, Any]:

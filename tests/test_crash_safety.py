@@ -19,6 +19,7 @@ def test_kills_never_corrupt_lose_or_duplicate_a_gate_and_the_trackers_catch_up(
     assert result["kills"] == {"random": 0, "in_gate": 1, "record_write": 1, "delivery": 1}
     assert result["finished_before_the_kill"] == 0 and result["final_exit_code"] == 0
     assert result["torn_gate_lines_seen_after_kills"] == 1  # the record-write kill left half a line on disk
+    assert result["torn_lines_cut"] == 1  # ... cut off by the next resume, never read as a gate
     assert result["record_files_partial_or_corrupt_lines"] == 0 and result["temporary_leftovers"] == []
     assert result["history_monotone"] and result["history_gates"] >= 5
     assert result["acknowledged_lost"] == 0 and result["duplicated_in_record"] == 0
