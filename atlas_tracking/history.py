@@ -297,14 +297,20 @@ class RunDir:
             except (OSError, json.JSONDecodeError):
                 pass
         for name in (GATES, ABANDONED, ERRORS):
-            recs = read_lines(self.path / name) if (self.path / name).is_file() else []
+            try:
+                recs = read_lines(self.path / name) if (self.path / name).is_file() else []
+            except HistoryError:
+                return True, "unreadable"
             if recs:
                 return True, recs[-1].get("run_id")
         held = any((self.path / n).exists() for n in ("baseline", "baselines", "receipts"))
         return held, None
 
     def describe(self) -> str:
-        recs = read_lines(self.gates) if self.gates.is_file() else []
+        try:
+            recs = read_lines(self.gates) if self.gates.is_file() else []
+        except HistoryError as exc:
+            return str(exc)
         if not recs:
             return "no gates"
         return f"{len(recs)} gate(s), steps {recs[0]['step']}..{recs[-1]['step']}"
