@@ -112,33 +112,22 @@ class DeepSpeedMoELayer(RoutedLayer):
         g = g.reshape(-1, g.shape[-1])
         return self.routing(self.router.forward(g, None, True), g)
 
-    def local_experts(self) -> torch.Tensor | None:
-        ep_size = int(getattr(self.block, "ep_size", 1))
+    def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
+        """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group."""
+        ep_size = int(getattr(self.moe, "ep_size", 1))
         if ep_size == 1:
             return None
-        n_local = self.num_experts // ep_size
-        rank = torch.distributed.get_rank(group=self.moe.ep_group) if self.moe.ep_group is not None else 0
-        mask = torch.zeros(self.num_experts, dtype=torch.bool)
-        mask[rank * n_local : (rank + 1) * n_local] = True
-        return mask
-
-    def scope(self) -> str | None:
-        local = self.local_experts()
-        if local is None:
-            return None
-        ids = torch.nonzero(local).flatten().tolist()
-        return (f"expert parallel: this process holds experts {ids[0]}-{ids[-1]} of {self.num_experts}; C2, the V2 "
-                "axes and transition incompatibility aggregate only tokens whose active set and adjacent competitor "
-                "are all local (others counted in nonlocal_tokens), and the random competitor is drawn among local "
-                "experts; occupancy and State1 use the replicated router and cover every expert")
+        if self.moe.ep_group is None:
+            raise RuntimeError(f"{self.name}: ep_size={ep_size} but the layer has no expert-parallel group yet; "
+                               "measure after deepspeed.initialize (which creates it)")
+        return self.moe.ep_group, torch.arange(self.num_experts) // int(self.moe.num_local_experts)
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """One local expert module at a time over the rows routed to it (one GEMM chain per expert)."""
+        """One expert module of this process at a time over the rows asking for it (one GEMM chain per expert)."""
         local = self.moe.experts.deepspeed_experts
         first = 0
-        mask = self.local_experts()
-        if mask is not None:
-            first = int(torch.nonzero(mask)[0])
+        if int(getattr(self.moe, "ep_size", 1)) > 1:
+            first = torch.distributed.get_rank(group=self.moe.ep_group) * len(local)
         out = None
         for j, expert in enumerate(local):
             sel = torch.nonzero(experts == first + j).flatten()
@@ -203,3 +192,10 @@ def deepspeed_layers(model: nn.Module, norms: dict[str, nn.Module] | None = None
     for i, layer in enumerate(layers):
         layer.ordinal = i
     return layers
+
+
+def zero3_gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """ZeRO-3 partitioned ``params`` gathered inside the block and partitioned again on exit (read-only)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
