@@ -1,0 +1,149 @@
+"""Models with the same weights however their experts are placed, and the gloo workers that measure them.
+
+Every parameter is drawn from a generator seeded by its *global* name (an expert's name carries its
+global expert id, whichever process holds it), so a model whose experts are spread over an
+expert-parallel group holds exactly the weights of the one-process model. ``perturbed`` adds a second
+seeded draw, the same everywhere: the checkpoint that drift is measured against a baseline from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.measure import RankDisagreementError
+
+CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64, "batch_windows": 2}})
+"""Two windows per micro-batch: 8 windows make 4 micro-batches, 2 per process on 2 processes."""
+
+
+def canary(n_windows: int = 8, seed: int = 0) -> Canary:
+    return Canary.from_token_ids(np.random.default_rng(seed).integers(0, 64, 6000), window=16, n_windows=n_windows,
+                                 seed=0)
+
+
+def _draw(name: str, shape: torch.Size) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+
+
+def fill_(model: nn.Module, global_name, perturb: float = 0.0) -> None:
+    """Every parameter from its global name: routers spread (std 1), norm gains near 1, the rest std 0.3;
+    ``perturb`` adds ``perturb`` times a second seeded draw."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = global_name(name)
+            if re.search(r"(norm|layernorm)\.weight$", g):
+                value = 1.0 + 0.1 * _draw(g, p.shape)
+            elif re.search(r"(\.gate\.wg|\.router|mlp\.gate)\.weight$", g):
+                value = _draw(g, p.shape)
+            else:
+                value = 0.3 * _draw(g, p.shape)
+            if perturb:
+                value = value + perturb * _draw(g + "/perturbed", p.shape)
+            p.copy_(value.to(p.dtype))
+
+
+# --- DeepSpeed MoE --------------------------------------------------------------------------------
+
+def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8) -> nn.Module:
+    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, d = 16."""
+    from deepspeed_loop import TinyDSLM
+
+    model = TinyDSLM(vocab=64, d=16, layers=2, experts=experts, k=2, ep_size=ep_size)
+    fill_(model, ds_global_name(ep_size, ep_rank, experts), perturb)
+    return model
+
+
+def ds_global_name(ep_size: int, ep_rank: int, experts: int = 8):
+    n_local = experts // ep_size
+    return lambda name: re.sub(r"deepspeed_experts\.(\d+)\.",
+                               lambda m: f"deepspeed_experts.{ep_rank * n_local + int(m.group(1))}.", name)
+
+
+def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8) -> dict[str, Any]:
+    """DeepSpeed MoE with ``ep_size = world`` under ``deepspeed.initialize``: a baseline gate, a gate of the
+    perturbed weights against it, and a gate whose ranks hold different canaries (the error each rank saw)."""
+    import deepspeed
+    from atlas_tracking.integrations.deepspeed import deepspeed_layers
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = ds_moe(world, rank, experts=experts)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
+    layers = deepspeed_layers(engine)
+    c = canary(n_windows)
+    gate0 = measure(engine.module, c, config=CFG, layers=layers)
+    fill_(engine.module, ds_global_name(world, rank, experts), perturb=0.05)
+    gate1 = measure(engine.module, c, baseline=Baseline.from_report(gate0), config=CFG, layers=layers)
+    return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json()),
+            "disagreement": _disagreement(engine.module, layers, c, rank)}
+
+
+def _disagreement(model: nn.Module, layers: list, c: Canary, rank: int) -> str | None:
+    """Rank 1 measures another canary: every rank must get the same clear error, before any forward."""
+    try:
+        measure(model, canary(len(c.windows), seed=1) if rank == 1 else c, config=CFG, layers=layers)
+    except RankDisagreementError as exc:
+        return str(exc)
+    return None
+
+
+def reference(build, n_windows: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same two gates on one process: ``build(perturb)`` makes the one-process model."""
+    c = canary(n_windows)
+    gate0 = measure(build(0.0), c, config=CFG)
+    gate1 = measure(build(0.05), c, baseline=Baseline.from_report(gate0), config=CFG)
+    return json.loads(gate0.to_json()), json.loads(gate1.to_json())
+
+
+# --- DeepSpeed AutoEP -----------------------------------------------------------------------------
+
+def qwen3_moe(perturb: float = 0.0, experts: int = 8) -> nn.Module:
+    """A tiny transformers Qwen3-MoE: 2 layers, ``experts`` experts, top-2, d = 32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    fill_(model, lambda name: name, perturb)
+    return model
+
+
+def autoep(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0) -> nn.Module:
+    """``qwen3_moe`` with its MoE blocks replaced by DeepSpeed AutoEP layers holding experts of ``ep_rank``."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_presets.base import AutoEPConfig
+
+    model = qwen3_moe(perturb)
+    replacer = AutoEP(model, AutoEPConfig(enabled=True, autoep_size=ep_size))
+    for spec in replacer.ep_parser():
+        replacer._replace_moe_layer_without_retarget(spec, ep_size=ep_size, ep_rank=ep_rank)
+    if ep_size > 1:
+        for m in model.modules():
+            if type(m).__name__ == "AutoEPMoELayer":
+                m.set_deepspeed_parallelism()
+    return model
+
+
+def autoep_expert_parallel(rank: int, world: int) -> dict[str, Any]:
+    """AutoEP with ``ep_size = world``: the two gates of ``ds_expert_parallel``."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    c = canary()
+    gate0 = measure(autoep(world, rank), c, config=CFG)
+    gate1 = measure(autoep(world, rank, perturb=0.05), c, baseline=Baseline.from_report(gate0), config=CFG)
+    return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
