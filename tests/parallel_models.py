@@ -147,3 +147,70 @@ def autoep_expert_parallel(rank: int, world: int) -> dict[str, Any]:
     gate0 = measure(autoep(world, rank), c, config=CFG)
     gate1 = measure(autoep(world, rank, perturb=0.05), c, baseline=Baseline.from_report(gate0), config=CFG)
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
+
+
+# --- Megatron-Core --------------------------------------------------------------------------------
+
+class MegatronMoEStack(nn.Module):
+    """Embedding, two Megatron ``TransformerLayer``s used for their pre-MLP norm and ``MoELayer`` (8 experts,
+    top-2, ``SequentialMLP``, allgather dispatcher), sequence-first hidden states, and an LM head."""
+
+    def __init__(self, d: int = 32, vocab: int = 64):
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron_cpu import CPU_CONFIG
+
+        cfg = TransformerConfig(num_layers=2, hidden_size=d, num_attention_heads=4, num_moe_experts=8,
+                                moe_router_topk=2, moe_router_load_balancing_type="none", add_bias_linear=False,
+                                normalization="RMSNorm", params_dtype=torch.float32, use_cpu_initialization=True,
+                                **CPU_CONFIG)
+        spec = get_gpt_layer_local_spec(num_experts=8)
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([build_module(spec, config=cfg, layer_number=i + 1) for i in range(2)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids).transpose(0, 1)  # [seq, batch, d]
+        for layer in self.layers:
+            out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
+            x = x + out + (bias if bias is not None else 0)
+        return self.head(x.transpose(0, 1))
+
+
+def megatron_stack(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0) -> nn.Module:
+    model = MegatronMoEStack().eval()
+    n_local = 8 // ep_size
+    fill_(model, lambda name: re.sub(r"local_experts\.(\d+)\.",
+                                     lambda m: f"local_experts.{ep_rank * n_local + int(m.group(1))}.", name), perturb)
+    return model
+
+
+def megatron_expert_parallel(rank: int, world: int) -> dict[str, Any]:
+    """Megatron-Core ``MoELayer`` with ``expert_model_parallel_size = world`` on CPU: the two gates of
+    ``ds_expert_parallel``.
+
+    Stand-ins: examples/megatron_cpu.py's for the router's CUDA-only gating and the scratch buffer, and
+    ``torch.cuda.current_device()`` answering ``"cpu"`` while the gates run: Megatron's expert-parallel
+    gather and reduce-scatter (``tensor_parallel.mappings``) allocate their outputs there; the collectives
+    themselves are Megatron's, over gloo."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mpu_random
+    from megatron_cpu import CPUGlobalMemoryBuffer, cpu_router_gating
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    parallel_state._GLOBAL_MEMORY_BUFFER = CPUGlobalMemoryBuffer()
+    mpu_random.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # stand-in: where Megatron's EP gather/reduce-scatter allocate
+    try:
+        with cpu_router_gating():
+            c = canary()
+            gate0 = measure(megatron_stack(world, rank), c, config=CFG)
+            gate1 = measure(megatron_stack(world, rank, perturb=0.05), c, baseline=Baseline.from_report(gate0),
+                            config=CFG)
+    finally:
+        torch.cuda.current_device = current_device
+        parallel_state.destroy_model_parallel()
+    return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}

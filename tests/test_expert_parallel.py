@@ -52,3 +52,13 @@ def test_autoep_ep2_equals_one_process():
     """DeepSpeed AutoEP layers replacing a transformers Qwen3-MoE (8 experts, top-2), ep_size=2 on 2 processes."""
     workers = run_workers(pm.autoep_expert_parallel, 2)
     _check(pm.reference(lambda perturb: pm.autoep(perturb=perturb)), workers)
+
+
+@pytest.mark.slow
+def test_megatron_moe_layer_ep2_on_cpu_equals_one_process():
+    """Megatron-Core MoELayer (SequentialMLP, allgather dispatcher) with expert_model_parallel_size=2 on CPU,
+    against expert_model_parallel_size=1 in one process; stand-ins named in parallel_models.megatron_expert_parallel."""
+    pytest.importorskip("megatron.core")
+    workers = run_workers(pm.megatron_expert_parallel, 2)
+    one = run_workers(pm.megatron_expert_parallel, 1)[0]
+    _check((one["gate0"], one["gate1"]), workers)
