@@ -43,7 +43,7 @@ from atlas_tracking.capture import (
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
-from atlas_tracking.sharding import reshard
+from atlas_tracking.sharding import model_class_name, reshard
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
 """(model, input_ids [B, L]) -> next-token logits [B, L, V], or None when there is no LM head."""
@@ -268,9 +268,9 @@ def build_report(
         exact.append({"margin_p10": q10, "margin_p50": q50})
     layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, config.to_dict()["receipts"], exact)
     model_info = {
-        "class": type(model).__name__,
+        "class": model_class_name(model),
         "families": sorted({layer.family for layer in layers}),
-        "fingerprint": model_fingerprint(type(model).__name__, meta),
+        "fingerprint": model_fingerprint(model_class_name(model), meta),
         "deterministic_routing": all(layer.deterministic_routing for layer in layers),
     }
     canary_info = {
@@ -333,7 +333,7 @@ def measure(
     layers = layers if layers is not None else find_routed_layers(model)
     canary.check_fits(*_model_limits(model))
     if baseline is not None:
-        baseline.check_compatible([lay.describe() for lay in layers], type(model).__name__, canary.fingerprint)
+        baseline.check_compatible([lay.describe() for lay in layers], model_class_name(model), canary.fingerprint)
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)
     else:
         plan = AnchorPlan.select(canary, cfg.receipts.anchors, cfg.receipts.seed)

@@ -51,6 +51,10 @@ def fill_(model: nn.Module, global_name, perturb: float = 0.0) -> None:
                 value = 0.3 * _draw(g, p.shape)
             if perturb:
                 value = value + perturb * _draw(g + "/perturbed", p.shape)
+            if hasattr(p, "device_mesh"):  # an FSDP2 shard (DTensor): this process's part of the same values
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, p.device_mesh, p.placements)
             p.copy_(value.to(p.dtype))
 
 
@@ -214,3 +218,118 @@ def megatron_expert_parallel(rank: int, world: int) -> dict[str, Any]:
         torch.cuda.current_device = current_device
         parallel_state.destroy_model_parallel()
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
+
+
+# --- sharded parameters ---------------------------------------------------------------------------
+
+def held(p: torch.Tensor) -> int:
+    """Elements of a parameter the module holds right now: 0 for a partitioned ZeRO-3 parameter (its partition
+    is ``ds_tensor``), this process's shard for an FSDP2 parameter, all of them once gathered or unsharded."""
+    local = getattr(p, "_local_tensor", None)
+    return int((local if local is not None else p.data).numel())
+
+
+def zero3(rank: int, world: int) -> dict[str, Any]:
+    """A transformers Qwen3-MoE under ``deepspeed.initialize`` ZeRO stage 3 (every parameter partitioned:
+    persistence threshold 0): the two gates, and what a process holds of an expert weight before and after."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = qwen3_moe()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    return {**_sharded_gates(engine.module, lambda: fill_zero3(engine.module)), "gathered": _gathered(engine.module)}
+
+
+def _gathered(model: nn.Module) -> list[list[int]]:
+    """What the model holds of layer 0's norm and router weights outside a forward, inside
+    ``atlas_tracking.sharding.gathered`` and after it."""
+    from atlas_tracking.sharding import gathered
+
+    modules = [model.model.layers[0].post_attention_layernorm, model.model.layers[0].mlp.gate]
+    outside = [held(m.weight) for m in modules]
+    with gathered(modules):
+        inside = [held(m.weight) for m in modules]
+    return [outside, inside, [held(m.weight) for m in modules]]
+
+
+def fill_zero3(model: nn.Module) -> None:
+    """``fill_(perturb=0.05)`` on ZeRO-3 partitioned parameters (gathered, modified on rank 0, re-partitioned)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        fill_(model, lambda name: name, perturb=0.05)
+
+
+def fsdp2(rank: int, world: int) -> dict[str, Any]:
+    """A transformers Qwen3-MoE with ``fully_shard`` on each decoder layer and on the model: the two gates,
+    and what a process holds of an expert weight before and after."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = qwen3_moe()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+    return _sharded_gates(model, lambda: fill_(model, lambda name: name, perturb=0.05))
+
+
+SHARDED_WINDOWS = 6
+"""3 micro-batches of 2 windows on 2 processes: one process makes a filler call (the case that aborted FSDP2)."""
+
+
+def _sharded_gates(model: nn.Module, perturb) -> dict[str, Any]:
+    """The two gates, with what the model holds of each parameter before, between and after them."""
+    c = canary(SHARDED_WINDOWS)
+    before = [held(p) for p in model.parameters()]
+    gate0 = measure(model, c, config=CFG)
+    between = [held(p) for p in model.parameters()]
+    perturb()
+    gate1 = measure(model, c, baseline=Baseline.from_report(gate0), config=CFG)
+    return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json()), "held_before": before,
+            "held_between": between, "held_after": [held(p) for p in model.parameters()],
+            "full": [int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()]}
+
+
+def lightning_model_parallel(rank: int, world: int, root: str) -> dict[str, Any] | None:
+    """Lightning's ``ModelParallelStrategy`` on CPU (FSDP2 over its data-parallel mesh in ``configure_model``)
+    with ``AtlasCallback``: the step-0 gate rank 0 wrote (Lightning's ``FSDPStrategy`` refuses the CPU)."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from atlas_tracking.integrations.lightning import AtlasCallback
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from moe_lightning import MoELM
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore")
+
+    class ShardedMoELM(MoELM):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    c = canary(SHARDED_WINDOWS)
+    trainer = pl.Trainer(
+        max_steps=1, logger=False, default_root_dir=root, accelerator="cpu", devices=world,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        callbacks=[AtlasCallback(canary=c, config=CFG)], enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(ShardedMoELM(qwen3_moe(), aux_coef=0.0), torch.utils.data.DataLoader(torch.from_numpy(c.windows),
+                                                                                     batch_size=2))
+    return json.loads(Path(root, "atlas", "receipts", "step_00000000.json").read_text()) if rank == 0 else None
+
+
+def lightning_reference() -> dict[str, Any]:
+    """The unsharded ``MoELM`` measured in this process as ``AtlasCallback`` measures it."""
+    from moe_lightning import MoELM
+
+    from atlas_tracking.measure import default_forward
+
+    module = MoELM(qwen3_moe(), aux_coef=0.0)
+    report = measure(module, canary(SHARDED_WINDOWS), config=CFG,
+                     forward=lambda _m, ids: default_forward(module.model, ids))
+    return json.loads(report.to_json())

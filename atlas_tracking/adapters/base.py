@@ -78,7 +78,8 @@ class RoutedLayer:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.gamma().shape[0])
+        shape = getattr(self.norm.weight, "ds_shape", None)  # a ZeRO-3 partition keeps its full shape there
+        return int(shape[0]) if shape is not None else int(self.gamma().shape[0])
 
     @property
     def norm_eps(self) -> float:
