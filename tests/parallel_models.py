@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.measure import RankDisagreementError
 
-CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64, "batch_windows": 2}})
+
+def config(batch_windows: int = 2) -> AtlasConfig:
+    return AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64,
+                                               "batch_windows": batch_windows}})
+
+
+CFG = config()
 """Two windows per micro-batch: 8 windows make 4 micro-batches, 2 per process on 2 processes."""
 
 
@@ -75,7 +81,8 @@ def ds_global_name(ep_size: int, ep_rank: int, experts: int = 8):
                                lambda m: f"deepspeed_experts.{ep_rank * n_local + int(m.group(1))}.", name)
 
 
-def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8) -> dict[str, Any]:
+def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8,
+                       batch_windows: int = 2) -> dict[str, Any]:
     """DeepSpeed MoE with ``ep_size = world`` under ``deepspeed.initialize``: a baseline gate, a gate of the
     perturbed weights against it, and a gate whose ranks hold different canaries (the error each rank saw)."""
     import deepspeed
@@ -86,10 +93,10 @@ def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int =
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
         "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
     layers = deepspeed_layers(engine)
-    c = canary(n_windows)
-    gate0 = measure(engine.module, c, config=CFG, layers=layers)
+    c, cfg = canary(n_windows), config(batch_windows)
+    gate0 = measure(engine.module, c, config=cfg, layers=layers)
     fill_(engine.module, ds_global_name(world, rank, experts), perturb=0.05)
-    gate1 = measure(engine.module, c, baseline=Baseline.from_report(gate0), config=CFG, layers=layers)
+    gate1 = measure(engine.module, c, baseline=Baseline.from_report(gate0), config=cfg, layers=layers)
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json()),
             "disagreement": _disagreement(engine.module, layers, c, rank)}
 
@@ -103,11 +110,11 @@ def _disagreement(model: nn.Module, layers: list, c: Canary, rank: int) -> str |
     return None
 
 
-def reference(build, n_windows: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
+def reference(build, n_windows: int = 8, batch_windows: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
     """The same two gates on one process: ``build(perturb)`` makes the one-process model."""
-    c = canary(n_windows)
-    gate0 = measure(build(0.0), c, config=CFG)
-    gate1 = measure(build(0.05), c, baseline=Baseline.from_report(gate0), config=CFG)
+    c, cfg = canary(n_windows), config(batch_windows)
+    gate0 = measure(build(0.0), c, config=cfg)
+    gate1 = measure(build(0.05), c, baseline=Baseline.from_report(gate0), config=cfg)
     return json.loads(gate0.to_json()), json.loads(gate1.to_json())
 
 
