@@ -319,10 +319,14 @@ def measure(
 ) -> GateReport:
     """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
 
-    Under ``torch.distributed`` every rank measures an even share of the canary's micro-batches
-    and the per-window arrays are gathered, so every rank returns the same report. ``rank`` and
-    ``world_size`` may be given to measure one shard without a process group (the partial is then
-    only this shard; see :func:`measure_partial` and :func:`build_report` to merge shards).
+    Under ``torch.distributed`` it is called on every rank: the ranks first check that they hold the
+    same canary (:class:`RankDisagreementError` on every rank otherwise), each measures its share of
+    the canary's micro-batches with as many forward calls as every other rank (:func:`micro_batches`),
+    and the per-window arrays are gathered, so every rank returns the same report. Expert-parallel
+    layers exchange field requests over their expert-parallel group (``atlas_tracking.fields``);
+    FSDP2 modules are resharded after the gate. ``rank`` and ``world_size`` may be given to measure
+    one shard without a process group (the partial is then only this shard; see
+    :func:`measure_partial` and :func:`build_report` to merge shards).
 
     Without a ``baseline`` the gate keeps the anchor tensors a :class:`~atlas_tracking.Baseline`
     is made of (``keep_anchors`` overrides). With one, drift, paired deltas and lifecycle

@@ -9,7 +9,9 @@ recomputes its selection scores from the router input exactly as the router rank
 from the layer's own experts module through DeepSpeed's own row permutation. During a gate the
 layer's ``tokens_per_expert`` load statistic is restored afterwards, so a gate leaves no trace in
 load balancing. Layers that apply the scores before the experts (``score_apply="pre"``) are refused:
-their output is not a weighted sum of unweighted expert fields.
+their output is not a weighted sum of unweighted expert fields. With ``ep_size > 1`` the layer's
+``ep_group`` carries the gate's field exchange (AutoEP's uniform placement: rank ``r`` holds experts
+``r * num_local_experts ..``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ from the gate's sparse routes: routes a capacity limit dropped (index -1) keep t
 top-k choice in the active set with weight 0, and are counted as ``dropped_routes``. During a
 gate the top-2 Gumbel sampling of the second expert is switched off (deterministic routing) and
 random token selection draws from a fixed seed. A residual MoE (``use_residual``) contributes
-its ``mlp`` through the ``coefficient`` mix as the transport baseline.
+its ``mlp`` through the ``coefficient`` mix as the transport baseline. With ``ep_size > 1`` rank ``r``
+of the layer's expert-parallel group holds experts ``r * n_local .. (r + 1) * n_local - 1``
+(``expert_placement``); a gate asks the owning rank for the fields of experts held elsewhere
+(``atlas_tracking.fields``). ``zero3_gathered`` gathers ZeRO-3 partitions for ``atlas_tracking.sharding``.
 
 DeepSpeed has no norm inside the MoE layer: the pre-norm is found in the parent block (one
 RMSNorm/LayerNorm-like child, or a common name) or given with ``norms={"blocks.0.moe": block.norm2}``.

@@ -25,9 +25,9 @@ from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.measure import RankDisagreementError
 
 
-def config(batch_windows: int = 2) -> AtlasConfig:
+def config(batch_windows: int = 2, token_chunk: int | None = None) -> AtlasConfig:
     return AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64,
-                                               "batch_windows": batch_windows}})
+                                               "batch_windows": batch_windows, "token_chunk": token_chunk}})
 
 
 CFG = config()
@@ -66,11 +66,11 @@ def fill_(model: nn.Module, global_name, perturb: float = 0.0) -> None:
 
 # --- DeepSpeed MoE --------------------------------------------------------------------------------
 
-def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8) -> nn.Module:
-    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, d = 16."""
+def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8, d: int = 16) -> nn.Module:
+    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, width ``d``."""
     from deepspeed_loop import TinyDSLM
 
-    model = TinyDSLM(vocab=64, d=16, layers=2, experts=experts, k=2, ep_size=ep_size)
+    model = TinyDSLM(vocab=64, d=d, layers=2, experts=experts, k=2, ep_size=ep_size)
     fill_(model, ds_global_name(ep_size, ep_rank, experts), perturb)
     return model
 
@@ -81,8 +81,8 @@ def ds_global_name(ep_size: int, ep_rank: int, experts: int = 8):
                                lambda m: f"deepspeed_experts.{ep_rank * n_local + int(m.group(1))}.", name)
 
 
-def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8,
-                       batch_windows: int = 2) -> dict[str, Any]:
+def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8, batch_windows: int = 2,
+                       token_chunk: int | None = None) -> dict[str, Any]:
     """DeepSpeed MoE with ``ep_size = world`` under ``deepspeed.initialize``: a baseline gate, a gate of the
     perturbed weights against it, and a gate whose ranks hold different canaries (the error each rank saw)."""
     import deepspeed
@@ -93,7 +93,7 @@ def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int =
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
         "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
     layers = deepspeed_layers(engine)
-    c, cfg = canary(n_windows), config(batch_windows)
+    c, cfg = canary(n_windows), config(batch_windows, token_chunk)
     gate0 = measure(engine.module, c, config=cfg, layers=layers)
     fill_(engine.module, ds_global_name(world, rank, experts), perturb=0.05)
     gate1 = measure(engine.module, c, baseline=Baseline.from_report(gate0), config=cfg, layers=layers)
@@ -110,9 +110,10 @@ def _disagreement(model: nn.Module, layers: list, c: Canary, rank: int) -> str |
     return None
 
 
-def reference(build, n_windows: int = 8, batch_windows: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
+def reference(build, n_windows: int = 8, batch_windows: int = 2,
+              token_chunk: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The same two gates on one process: ``build(perturb)`` makes the one-process model."""
-    c, cfg = canary(n_windows), config(batch_windows)
+    c, cfg = canary(n_windows), config(batch_windows, token_chunk)
     gate0 = measure(build(0.0), c, config=cfg)
     gate1 = measure(build(0.05), c, baseline=Baseline.from_report(gate0), config=cfg)
     return json.loads(gate0.to_json()), json.loads(gate1.to_json())
@@ -120,11 +121,11 @@ def reference(build, n_windows: int = 8, batch_windows: int = 2) -> tuple[dict[s
 
 # --- DeepSpeed AutoEP -----------------------------------------------------------------------------
 
-def qwen3_moe(perturb: float = 0.0, experts: int = 8) -> nn.Module:
-    """A tiny transformers Qwen3-MoE: 2 layers, ``experts`` experts, top-2, d = 32."""
+def qwen3_moe(perturb: float = 0.0, experts: int = 8, d: int = 32) -> nn.Module:
+    """A tiny transformers Qwen3-MoE: 2 layers, ``experts`` experts, top-2, width ``d``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=d, intermediate_size=48, moe_intermediate_size=24,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_experts=experts, num_experts_per_tok=2, max_position_embeddings=128)
     torch.manual_seed(0)
@@ -133,12 +134,12 @@ def qwen3_moe(perturb: float = 0.0, experts: int = 8) -> nn.Module:
     return model
 
 
-def autoep(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0) -> nn.Module:
+def autoep(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, d: int = 32) -> nn.Module:
     """``qwen3_moe`` with its MoE blocks replaced by DeepSpeed AutoEP layers holding experts of ``ep_rank``."""
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_presets.base import AutoEPConfig
 
-    model = qwen3_moe(perturb)
+    model = qwen3_moe(perturb, d=d)
     replacer = AutoEP(model, AutoEPConfig(enabled=True, autoep_size=ep_size))
     for spec in replacer.ep_parser():
         replacer._replace_moe_layer_without_retarget(spec, ep_size=ep_size, ep_rank=ep_rank)
