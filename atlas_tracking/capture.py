@@ -226,7 +226,6 @@ class LayerCapture:
         anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
         collect: bool = False,
         base: dict[str, torch.Tensor] | None = None,
-        evaluator: FieldEvaluator | None = None,
     ):
         self.layer = layer
         self.acc = acc
@@ -234,7 +233,7 @@ class LayerCapture:
         self.anchor_slices = anchor_slices
         self.collect = collect
         self.base = base
-        self.evaluator = evaluator if evaluator is not None else field_evaluator(layer)
+        self.evaluator: FieldEvaluator = field_evaluator(layer)
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.gamma0: torch.Tensor | None = None
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
@@ -321,8 +320,10 @@ class LayerCapture:
                 return out
             full = hidden_states.new_zeros((hidden_states.shape[0], out.shape[-1]))
             index = self.token_index(out.device)
-            return full.index_copy_(0, index, out) if index is not None else full.index_copy_(
-                0, torch.arange(out.shape[0], device=out.device), out)
+            if index is None:
+                full[: out.shape[0]] = out
+                return full
+            return full.index_copy_(0, index, out)
 
     # --- receipts ---------------------------------------------------------------------------
     @property

@@ -10,12 +10,14 @@ others and makes empty ones.
 
 from __future__ import annotations
 
+import json
+
 import parallel_models as pm
 import pytest
 from multiprocess import run_workers
 from receipt_tolerance import assert_within_tolerance
 
-from atlas_tracking import Canary
+from atlas_tracking import Canary, measure
 from atlas_tracking.measure import micro_batches
 
 
@@ -28,6 +30,27 @@ def test_every_rank_makes_the_same_forward_calls():
             assert {b.size for p in plans for b in p} == {min(bw, 16)}  # same shape in every call
             kept = sorted((b.start, b.end) for p in plans for b in p if b.keep)
             assert kept == canary.batches(min(bw, 16))  # every window measured once, whatever the world size
+
+
+def _padded_vs_unpadded(model) -> None:
+    """5 windows in micro-batches of 2 (the last one padded) against micro-batches of 1 (no padding)."""
+    c = pm.canary(5)
+    padded, single = (json.loads(measure(model, c, config=pm.config(bw)).to_json()) for bw in (2, 1))
+    assert_within_tolerance(single, padded)
+
+
+def test_padded_micro_batch_measures_only_its_windows_batch_first():
+    """transformers Qwen3-MoE: batch-first, fields inside the experts' forward (padding rows get zero output)."""
+    _padded_vs_unpadded(pm.qwen3_moe())
+
+
+def test_padded_micro_batch_measures_only_its_windows_sequence_first():
+    """Megatron-Core MoELayer on one CPU rank: sequence-first hidden states, padding windows interleaved."""
+    pytest.importorskip("megatron.core")
+    from megatron_cpu import megatron_on_one_cpu_rank
+
+    with megatron_on_one_cpu_rank():
+        _padded_vs_unpadded(pm.megatron_stack())
 
 
 @pytest.mark.slow
