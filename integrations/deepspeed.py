@@ -112,8 +112,22 @@ class DeepSpeedMoELayer(RoutedLayer):
         return routing.scores
 
     def route(self, g: torch.Tensor) -> Routing:
+        """The ``TopKGate``'s choice at any gate inputs, computed from its logits without calling it: its
+        capacity limit belongs to a dispatched micro-batch, not to re-routed states, and with
+        ``drop_tokens=False`` it sizes the capacity by an ``all_reduce`` over the expert-parallel group,
+        which only some ranks would reach. The choice equals the gate's (top-k of the logits, the second
+        expert not sampled during a gate); weights as it combines them (renormalised over the k for k > 1)."""
         g = g.reshape(-1, g.shape[-1])
-        return self.routing(self.router.forward(g, None, True), g)
+        logits = F.linear(g.float(), self.router.wg.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        active = torch.topk(logits, self.top_k, dim=1).indices
+        top = probs.gather(1, active)
+        rho = top / top.sum(dim=1, keepdim=True)
+        weights = top if self.top_k == 1 else rho
+        coef = self._coefficients(g)
+        if coef is not None:
+            weights = weights * coef[:, :1]
+        return Routing(scores=logits, probs=probs, active=active, weights=weights, rho=rho)
 
     def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
         """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group."""

@@ -66,11 +66,18 @@ def fill_(model: nn.Module, global_name, perturb: float = 0.0) -> None:
 
 # --- DeepSpeed MoE --------------------------------------------------------------------------------
 
-def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8, d: int = 16) -> nn.Module:
-    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, width ``d``."""
+def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8, d: int = 16,
+           drop_tokens: tuple[bool, bool] = (True, True)) -> nn.Module:
+    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, width ``d``.
+
+    ``drop_tokens`` per layer: True drops routes beyond a capacity computed from the micro-batch's own
+    tokens (the dispatch then needs the same token count on every rank); False sizes the capacity by an
+    ``all_reduce`` over the expert-parallel group inside the router (every router call is a collective)."""
     from deepspeed_loop import TinyDSLM
 
     model = TinyDSLM(vocab=64, d=d, layers=2, experts=experts, k=2, ep_size=ep_size)
+    for block, drop in zip(model.blocks, drop_tokens):
+        block.moe.deepspeed_moe.gate.drop_tokens = drop
     fill_(model, ds_global_name(ep_size, ep_rank, experts), perturb)
     return model
 
@@ -82,14 +89,14 @@ def ds_global_name(ep_size: int, ep_rank: int, experts: int = 8):
 
 
 def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8, batch_windows: int = 2,
-                       token_chunk: int | None = None) -> dict[str, Any]:
+                       token_chunk: int | None = None, drop_tokens: tuple[bool, bool] = (True, True)) -> dict[str, Any]:
     """DeepSpeed MoE with ``ep_size = world`` under ``deepspeed.initialize``: a baseline gate, a gate of the
     perturbed weights against it, and a gate whose ranks hold different canaries (the error each rank saw)."""
     import deepspeed
     from atlas_tracking.integrations.deepspeed import deepspeed_layers
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    model = ds_moe(world, rank, experts=experts)
+    model = ds_moe(world, rank, experts=experts, drop_tokens=drop_tokens)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
         "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
     layers = deepspeed_layers(engine)

@@ -83,6 +83,10 @@ def test_active_sets_equal_dispatch_and_fields_recombine_to_the_output(kw):
         kept = dispatch >= 0
         assert torch.equal(routing.active[kept], dispatch[kept])
         assert torch.equal(routing.dropped, ~kept)
+        again = lay.route(g)  # re-routing (anchors, ov_cf) without calling the gate: the same choice, and the
+        assert torch.equal(again.active, routing.active) and torch.equal(again.probs, routing.probs)
+        whole = kept.all(dim=1)  # same weights where the capacity dropped none of a token's routes
+        assert whole.any() and torch.allclose(again.weights[whole], routing.weights[whole], atol=1e-6)
         with torch.no_grad():
             u = lay.expert_outputs(g, routing.active)
             combined = (routing.weights.unsqueeze(-1) * u).sum(1)

@@ -2,10 +2,11 @@
 receipts agree across world sizes within the stated tolerances (never bit for bit across layouts).
 
 3 processes on a 16-window canary in micro-batches of 5 windows: 4 micro-batches (the last one 1 window,
-padded to 5), so ranks 1 and 2 make a filler call and rank 0 a padded one, over a DeepSpeed MoE layer with
-ep_size=3 whose dispatch (an all_to_all of capacity-sized buffers) needs the same token count on every rank.
-Fields are evaluated 7 tokens per call, so in the padded call rank 0 needs fewer exchange calls than the
-others and makes empty ones.
+padded to 5), so ranks 1 and 2 make a filler call and rank 0 a padded one, over DeepSpeed MoE layers with
+ep_size=3: the first drops tokens beyond a capacity sized by each rank's own tokens (its all_to_all needs the
+same token count on every rank), the second does not drop and sizes the capacity by an all_reduce inside
+its router (every call of the router is a collective). Fields are evaluated 7 tokens per call, so in the
+padded call rank 0 needs fewer exchange calls than the others and makes empty ones.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def test_padded_micro_batch_measures_only_its_windows_sequence_first():
 @pytest.mark.slow
 def test_three_processes_on_sixteen_windows_agree_with_one_process():
     pytest.importorskip("deepspeed")
-    workers = run_workers(pm.ds_expert_parallel, 3, 6, 16, 5, 7, timeout=400)
-    ref0, ref1 = pm.reference(lambda perturb: pm.ds_moe(perturb=perturb, experts=6), n_windows=16, batch_windows=5,
-                              token_chunk=7)
+    drop = (True, False)
+    workers = run_workers(pm.ds_expert_parallel, 3, 6, 16, 5, 7, drop, timeout=400)
+    ref0, ref1 = pm.reference(lambda perturb: pm.ds_moe(perturb=perturb, experts=6, drop_tokens=drop), n_windows=16,
+                              batch_windows=5, token_chunk=7)
     assert workers[0]["gate0"] == workers[1]["gate0"] == workers[2]["gate0"]
     assert_within_tolerance(ref0, workers[0]["gate0"])
     assert_within_tolerance(ref1, workers[0]["gate1"])
