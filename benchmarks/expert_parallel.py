@@ -113,12 +113,21 @@ class CollectiveBytes:
                     "reduce_scatter_tensor": reduce_scatter_tensor, "all_gather": all_gather}
         for name, fn in counting.items():
             setattr(dist, name, fn)
+        # Megatron binds its gather and reduce-scatter functions at import: count those names too
+        mappings = sys.modules.get("megatron.core.tensor_parallel.mappings")
+        bound = {} if mappings is None else {"dist_all_gather_func": all_gather_into_tensor,
+                                              "dist_reduce_scatter_func": reduce_scatter_tensor}
+        saved_bound = {name: getattr(mappings, name) for name in bound}
+        for name, fn in bound.items():
+            setattr(mappings, name, fn)
         ExpertParallelFields._exchange = exchange
         try:
             yield self
         finally:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
+            for name, fn in saved_bound.items():
+                setattr(mappings, name, fn)
             ExpertParallelFields._exchange = saved_exchange
             for h in handles:
                 h.remove()
@@ -150,7 +159,7 @@ def _timed(fn) -> float:
     return _slowest(time.perf_counter() - t0)
 
 
-def _build(family: str, rank: int, world: int):
+def _build(family: str, rank: int, world: int, stack: contextlib.ExitStack):
     """(module to measure, its MoE blocks, forward(model, ids)) for one family at ``ep_size = world``."""
     from atlas_tracking.measure import default_forward
 
@@ -170,6 +179,10 @@ def _build(family: str, rank: int, world: int):
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         model = pm.autoep(world, rank, d=64)
         blocks = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+    elif family == "megatron":
+        stack.enter_context(pm.megatron_on_cpu(world))
+        model = pm.megatron_stack(world, rank, d=64)
+        blocks = [layer.mlp for layer in model.layers]
     else:
         raise ValueError(family)
     return model.eval(), blocks, default_forward
@@ -177,7 +190,11 @@ def _build(family: str, rank: int, world: int):
 
 def ep_worker(rank: int, world: int, family: str, repeats: int) -> dict[str, Any]:
     """Bytes of one gate and of its forward calls, per layer, and interleaved timings."""
-    model, blocks, forward = _build(family, rank, world)
+    with contextlib.ExitStack() as stack:
+        return _ep_measurements(rank, world, repeats, *_build(family, rank, world, stack))
+
+
+def _ep_measurements(rank: int, world: int, repeats: int, model, blocks, forward) -> dict[str, Any]:
     canary, cfg = bench_canary(), bench_config()
     counter = CollectiveBytes()
     with counter.installed(blocks):
@@ -280,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "expert_parallel.json"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--parts", default="ep,world", help="ep (a, b), world (c), or both; others kept from --out")
+    parser.add_argument("--families", default="deepspeed,autoep,megatron", help="expert-parallel families for ep")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
@@ -287,16 +305,19 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "threads_per_process": 1,
         "canary": f"{N_WINDOWS} windows x {WINDOW} tokens, {BATCH_WINDOWS} windows per micro-batch",
         "models": {"deepspeed": "DeepSpeed MoE: d=64, 2 layers, E=8, k=2, capacity factor 1 (eval)",
-                   "autoep": "Qwen3-MoE with AutoEP layers: d=64, 2 layers, E=8, k=2"},
+                   "autoep": "Qwen3-MoE with AutoEP layers: d=64, 2 layers, E=8, k=2",
+                   "megatron": "Megatron-Core MoELayer stack: d=64, 2 layers, E=8, k=2, SequentialMLP, allgather "
+                               "dispatcher (CPU stand-ins of tests/parallel_models.megatron_on_cpu)"},
     }
-    for family in ("deepspeed", "autoep") if "ep" in parts else ():
+    families = args.families.split(",") if "ep" in parts else []
+    for family in families:
         print(f"(a, b) {family} EP=1 vs EP=2 ...", flush=True)
         results[family] = expert_parallel(family, args.repeats)
     if "world" in parts:
         print("(c) receipts on 1, 2 and 4 processes ...", flush=True)
         results["world_sizes"] = world_sizes((1, 2, 4))
     Path(args.out).write_text(json.dumps(results, indent=1))
-    for family in ("deepspeed", "autoep"):
+    for family in families:
         r = results[family]
         print(f"{family}: exchange/dispatch bytes per layer {r['exchange_over_dispatch']}; gate EP=2 / EP=1 = "
               f"{r['gate_time_ep2_over_ep1']:.2f}")

@@ -8,10 +8,12 @@ seeded draw, the same everywhere: the checkpoint that drift is measured against 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,20 +200,20 @@ class MegatronMoEStack(nn.Module):
         return self.head(x.transpose(0, 1))
 
 
-def megatron_stack(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0) -> nn.Module:
-    model = MegatronMoEStack().eval()
+def megatron_stack(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, d: int = 32) -> nn.Module:
+    model = MegatronMoEStack(d=d).eval()
     n_local = 8 // ep_size
     fill_(model, lambda name: re.sub(r"local_experts\.(\d+)\.",
                                      lambda m: f"local_experts.{ep_rank * n_local + int(m.group(1))}.", name), perturb)
     return model
 
 
-def megatron_expert_parallel(rank: int, world: int) -> dict[str, Any]:
-    """Megatron-Core ``MoELayer`` with ``expert_model_parallel_size = world`` on CPU: the two gates of
-    ``ds_expert_parallel``.
+@contextlib.contextmanager
+def megatron_on_cpu(world: int) -> Iterator[None]:
+    """Megatron-Core state for ``expert_model_parallel_size = world`` on CPU gloo processes (the group exists).
 
     Stand-ins: examples/megatron_cpu.py's for the router's CUDA-only gating and the scratch buffer, and
-    ``torch.cuda.current_device()`` answering ``"cpu"`` while the gates run: Megatron's expert-parallel
+    ``torch.cuda.current_device()`` answering ``"cpu"`` inside the block: Megatron's expert-parallel
     gather and reduce-scatter (``tensor_parallel.mappings``) allocate their outputs there; the collectives
     themselves are Megatron's, over gloo."""
     from megatron.core import parallel_state
@@ -222,16 +224,22 @@ def megatron_expert_parallel(rank: int, world: int) -> dict[str, Any]:
     parallel_state._GLOBAL_MEMORY_BUFFER = CPUGlobalMemoryBuffer()
     mpu_random.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
     current_device = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # stand-in: where Megatron's EP gather/reduce-scatter allocate
+    torch.cuda.current_device = lambda: "cpu"
     try:
         with cpu_router_gating():
-            c = canary()
-            gate0 = measure(megatron_stack(world, rank), c, config=CFG)
-            gate1 = measure(megatron_stack(world, rank, perturb=0.05), c, baseline=Baseline.from_report(gate0),
-                            config=CFG)
+            yield
     finally:
         torch.cuda.current_device = current_device
         parallel_state.destroy_model_parallel()
+
+
+def megatron_expert_parallel(rank: int, world: int) -> dict[str, Any]:
+    """Megatron-Core ``MoELayer`` with ``expert_model_parallel_size = world`` on CPU: the two gates of
+    ``ds_expert_parallel``."""
+    with megatron_on_cpu(world):
+        c = canary()
+        gate0 = measure(megatron_stack(world, rank), c, config=CFG)
+        gate1 = measure(megatron_stack(world, rank, perturb=0.05), c, baseline=Baseline.from_report(gate0), config=CFG)
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
 
 

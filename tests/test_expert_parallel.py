@@ -57,7 +57,7 @@ def test_autoep_ep2_equals_one_process():
 @pytest.mark.slow
 def test_megatron_moe_layer_ep2_on_cpu_equals_one_process():
     """Megatron-Core MoELayer (SequentialMLP, allgather dispatcher) with expert_model_parallel_size=2 on CPU,
-    against expert_model_parallel_size=1 in one process; stand-ins named in parallel_models.megatron_expert_parallel."""
+    against expert_model_parallel_size=1 in one process; stand-ins named in parallel_models.megatron_on_cpu."""
     pytest.importorskip("megatron.core")
     workers = run_workers(pm.megatron_expert_parallel, 2)
     one = run_workers(pm.megatron_expert_parallel, 1)[0]
