@@ -21,9 +21,9 @@ SKIP = {"per_window", "anchors", "gate_seconds", "fingerprint", "config", "canar
 """Sections that are inputs or bookkeeping, not receipts (per-window arrays are what the receipts derive from)."""
 
 
-def tolerance(name: str, a: Any) -> float:
+def tolerance(value: Any) -> float:
     """The tolerance of one leaf: exact for integers, booleans and strings, ``FLOAT_TOL`` for floats."""
-    return FLOAT_TOL if isinstance(a, float) else EXACT
+    return FLOAT_TOL if isinstance(value, float) else EXACT
 
 
 def _walk(a: Any, b: Any, name: str, out: dict[str, float], where: str) -> None:
@@ -33,7 +33,7 @@ def _walk(a: Any, b: Any, name: str, out: dict[str, float], where: str) -> None:
         for key in a:
             if key in SKIP:
                 continue
-            leaf = f"{name}.{key}" if name in ("ci", "drift.ci") else key
+            leaf = f"ci.{key}" if name == "ci" else key  # a CI bound is named after its receipt
             _walk(a[key], b[key], leaf, out, f"{where}.{key}")
         return
     if isinstance(a, list) and isinstance(b, list):
@@ -45,13 +45,17 @@ def _walk(a: Any, b: Any, name: str, out: dict[str, float], where: str) -> None:
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None or isinstance(a, str):
         dev = 0.0 if a == b else math.inf
     elif isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        dev = abs(float(a) - float(b)) if math.isfinite(a) or math.isfinite(b) else 0.0
+        fa, fb = float(a), float(b)
+        if math.isfinite(fa) and math.isfinite(fb):
+            dev = abs(fa - fb)
+        else:  # NaN or infinite: equal only to the same
+            dev = 0.0 if fa == fb or (math.isnan(fa) and math.isnan(fb)) else math.inf
         if isinstance(a, int) and isinstance(b, int):
             dev = dev if dev == 0 else math.inf
     else:
         raise AssertionError(f"{where}: {type(a).__name__} vs {type(b).__name__}")
     out[name] = max(out.get(name, 0.0), dev)
-    if dev > tolerance(name, a):
+    if dev > tolerance(a):
         out.setdefault("_violations", []).append(f"{where}: {a!r} vs {b!r}")  # type: ignore[arg-type]
 
 

@@ -15,6 +15,8 @@ import pytest
 from multiprocess import run_workers
 from receipt_tolerance import assert_within_tolerance
 
+from atlas_tracking.gate_report import verify
+
 pytest.importorskip("deepspeed")
 
 FIELD_RECEIPTS = ("c2", "v2_c1", "v2_c2", "transition_incompat", "d_random_boundary")
@@ -25,6 +27,7 @@ def _check(one_process: tuple[dict, dict], workers: list[dict], experts: int = 8
     ref0, ref1 = one_process
     assert workers[0]["gate0"] == workers[1]["gate0"]  # same world size, same gathered arrays: identical
     for ref, gate in ((ref0, workers[0]["gate0"]), (ref1, workers[0]["gate1"])):
+        assert verify(gate) == []  # every receipt re-derives from the gathered per-window arrays
         devs = assert_within_tolerance(ref, gate)
         assert all(devs[name] <= 1e-5 for name in (*FIELD_RECEIPTS, "margin_mean", "ov_cf", "canary_nll"))
     for layer in workers[0]["gate0"]["layers"]:
