@@ -1,61 +1,129 @@
-"""Tiny random configs of the six transformers MoE families (the architecture code is transformers' own)."""
+"""Tiny random models of every supported transformers MoE family (the architecture code is transformers' own).
+
+``CONFIGS`` holds, per family (transformers model type), what its tiny config needs beyond ``COMMON``
+(2 layers, hidden 32, 8 experts, top-2: the keys a config does not have are left out).
+"""
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+              num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+              shared_expert_intermediate_size=40, n_group=4, topk_group=2, first_k_dense_replace=1,
+              n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+              v_head_dim=8, pad_token_id=0)
+MLA = dict(num_key_value_heads=4)
+"""Multi-head latent attention wants as many key-value heads as heads."""
+SPARSE2 = dict(mlp_layer_types=["sparse", "sparse"])
+
+CONFIGS: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=6),
+    "qwen2_moe": dict(num_experts=6),
+    "qwen3_moe": dict(num_experts=6),
+    "olmoe": dict(num_experts=6, intermediate_size=24),
+    "minimax": {},
+    "mellum": {},
+    "hunyuan_v1_moe": dict(moe_topk=2),
+    "jamba": dict(expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_expand=1, mamba_dt_rank=4),
+    "gpt_oss": dict(num_local_experts=6, intermediate_size=24),
+    "aria_text": dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1),
+    "granitemoe": {},
+    "granitemoe_swa": {},
+    "granitemoeshared": dict(shared_intermediate_size=40),
+    "granitemoehybrid": dict(shared_intermediate_size=40, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                             mamba_expand=2, mamba_chunk_size=8, layer_types=["mamba", "attention"]),
+    "flint": dict(mlp_only_layers=[]),
+    "qwen3_next": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_5_moe_text": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                             linear_num_value_heads=4),
+    "deepseek_v3": dict(MLA, n_routed_experts=8, num_hidden_layers=3, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "glm4_moe": dict(routed_scaling_factor=2.5),
+    "glm4_moe_lite": dict(MLA),
+    "glm_moe_dsa": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "deepseek_v32": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "dots1": {},
+    "dots3_note_text": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4, shared_experts_intermediate_size=24),
+    "kimi_linear": dict(num_experts_per_token=2, num_expert_group=4, topk_group=2, linear_head_dim=8, linear_num_heads=4),
+    "bailing_hybrid": {},
+    "solar_open": {},
+    "exaone_moe": {},
+    "hy_v4": dict(MLA),
+    "mimo_v2_flash": {},
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, moe_shared_expert_intermediate_size=40, n_groups=1,
+                       ssm_state_size=8, chunk_size=8),
+    "beam": dict(SPARSE2),
+    "deepseek_v2": dict(MLA, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1),
+    "longcat_flash": dict(MLA, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=24, ffn_hidden_size=48),
+    "minimax_m2": {},
+    "hy_v3": {},
+    "afmoe": {},
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention", "conv"]),
+    "laguna": dict(moe_routed_scaling_factor=2.0),
+    "minimax_m3_vl_text": dict(routed_scaling_factor=2.0, shared_intermediate_size=40, dense_intermediate_size=48),
+    "kolibri1": {},
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"], hc_mult=2),
+    "inkling_text": dict(n_shared_experts=1, mlp_layer_types=["sparse", "sparse"]),
+    "inkling2_text": {},
+    "llama4_text": dict(intermediate_size_mlp=48, interleave_moe_layer_step=1),
+    "jetmoe": dict(kv_channels=8, num_key_value_heads=4),
+}
+FAMILIES = tuple(CONFIGS)
+ORIGINAL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def family_config(name: str):
-    import transformers as tf
+    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has) and ``CONFIGS[name]``."""
+    from transformers import AutoConfig
 
-    common = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
-    if name == "mixtral":
-        return tf.MixtralConfig(**common, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2,
-                                num_local_experts=6, num_experts_per_tok=2)
-    if name == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
-                                 shared_expert_intermediate_size=40, num_hidden_layers=2, num_key_value_heads=2,
-                                 num_experts=6, num_experts_per_tok=2)
-    if name == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
-                                 num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, head_dim=8)
-    if name == "olmoe":
-        return tf.OlmoeConfig(**common, intermediate_size=24, num_hidden_layers=2, num_key_value_heads=2,
-                              num_experts=6, num_experts_per_tok=2)
-    if name == "deepseek_v3":
-        return tf.DeepseekV3Config(**common, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
-                                   num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                                   topk_group=2, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16,
-                                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                   routed_scaling_factor=2.5, norm_topk_prob=True)
-    if name == "gpt_oss":
-        return tf.GptOssConfig(**common, intermediate_size=24, num_hidden_layers=2, num_key_value_heads=2,
-                               num_local_experts=6, num_experts_per_tok=2, head_dim=8)
-    raise KeyError(name)
+    cls = type(AutoConfig.for_model(name))
+    fields = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
+    return AutoConfig.for_model(name, **{**{k: v for k, v in COMMON.items() if k in fields}, **CONFIGS[name]})
 
 
 def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny random model of family ``name``, in eval mode, with routers and norm gains given spread (a fresh
+    model's zero routers and unit gains would make routing and the gain convention degenerate)."""
     from transformers import AutoModelForCausalLM
 
+    from atlas_tracking.adapters import find_routed_layers
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name)).to(dtype).eval()
-    with torch.no_grad():  # random routers and biases with spread, so routing is not degenerate
-        for module in model.modules():
-            cls = type(module).__name__
-            if cls.endswith("TopkRouter") or cls.endswith("TopKRouter"):
-                module.weight.normal_(0, 0.5)
-                if hasattr(module, "bias") and isinstance(module.bias, torch.nn.Parameter):
-                    module.bias.normal_(0, 0.5)
-                if hasattr(module, "e_score_correction_bias"):
-                    module.e_score_correction_bias.normal_(0, 0.1)
+    model = AutoModelForCausalLM.from_config(family_config(name)).eval()
+    with torch.no_grad():
+        for lay in find_routed_layers(model):
+            tensors = [*lay.router.named_parameters(), *lay.router.named_buffers(),
+                       *((n, t) for n, t in lay.block.named_parameters(recurse=False) if "bias" in n),
+                       *((n, t) for n, t in lay.block.named_buffers(recurse=False) if "bias" in n)]
+            for tname, t in tensors:
+                if t.is_floating_point():
+                    t.normal_(0, 0.1 if "bias" in tname else 0.5)
+            lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
+    return to_dtype(model, dtype)
+
+
+def to_dtype(model, dtype: torch.dtype):
+    """``model`` in ``dtype`` as transformers loads it: the modules it keeps in fp32 stay in fp32 (the strict
+    list always, the other one in fp16 only)."""
+    keep = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+            *((getattr(model, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
+    patterns = [re.compile(rf"(^|\.){re.escape(k)}(\.|$)") for k in keep]
+    model.to(dtype)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and any(p.search(name) for p in patterns):
+            t.data = t.data.float()
     return model
 
 
 def capture_layers(model, ids):
-    """One forward with hooks of our own on every routed layer's norm, router and block: the layers and,
-    per layer name, what each hook saw (``x``, ``g``, ``router``, ``out``)."""
+    """One forward with hooks of our own on every routed layer's norm, router, experts and block: the layers and,
+    per layer name, what each hook saw (``x``, ``g``, ``router``, ``out``, and ``index``: the active sets the
+    model handed its experts, when they are called as ``experts(x, top_k_index, top_k_weights)``)."""
     from atlas_tracking.adapters import find_routed_layers
 
     layers = find_routed_layers(model)
@@ -66,8 +134,10 @@ def capture_layers(model, ids):
         handles.append(lay.norm.register_forward_hook(lambda m, i, o, d=d: d.update(x=i[0], g=o)))
         handles.append(lay.router.register_forward_hook(lambda m, i, o, d=d: d.update(router=o)))
         handles.append(lay.block.register_forward_hook(lambda m, i, o, d=d: d.update(out=o[0] if isinstance(o, tuple) else o)))
+        if lay.fusable:
+            handles.append(lay.experts.register_forward_hook(lambda m, i, o, d=d: d.update(index=i[1])))
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids, use_cache=False)
     for h in handles:
         h.remove()
     return layers, seen
