@@ -127,3 +127,46 @@ def test_model_without_routed_layers_names_the_searched_classes():
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(NoRoutedLayersError, match=r"no routed MoE layer found in LlamaForCausalLM.*Qwen3MoeSparseMoeBlock"):
         find_routed_layers(model)
+
+
+def _moe_model_types() -> dict[str, str]:
+    """Causal-LM model types of the installed transformers whose modeling code mentions experts -> module."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = {}
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{module}")
+        folder = Path(spec.origin).parent if spec and spec.origin else None
+        if folder and any("experts" in f.read_text() for f in folder.glob("modeling_*.py")):
+            found[model_type] = module
+    return found
+
+
+def test_every_causal_lm_moe_family_of_the_installed_transformers_is_supported_or_refused():
+    """Walks the installed transformers' causal-LM registry: a MoE model type that is neither read (a row of the
+    family table, with a tiny test config) nor refused with a reason nor known not to be MoE fails this test, and
+    so does a row whose block class the installed transformers no longer defines."""
+    import importlib
+
+    from atlas_tracking.adapters.families import FAMILIES as ROWS
+    from atlas_tracking.adapters.families import NOT_MOE, REFUSED, REFUSED_ALIASES
+
+    moe = _moe_model_types()
+    supported = {row.name: row for row in ROWS} | {alias: row for row in ROWS for alias in row.model_types}
+    refused = set(REFUSED) | set(REFUSED_ALIASES)
+    unknown = sorted(set(moe) - set(supported) - refused - set(NOT_MOE))
+    assert not unknown, f"causal-LM MoE families neither supported nor refused with a reason: {unknown}"
+    assert len(set(moe) - set(NOT_MOE)) >= 57
+    assert set(REFUSED_ALIASES.values()) <= set(REFUSED)
+    untested = sorted(row.name for row in ROWS if row.name not in FAMILIES)
+    assert not untested, f"supported families without a tiny test config: {untested}"
+    for name, (blocks, reason) in [*((r.name, (r.blocks, None)) for r in ROWS), *REFUSED.items()]:
+        module = importlib.import_module(f"transformers.models.{moe[name]}.modeling_{moe[name]}")
+        for block in blocks:
+            assert hasattr(module, block), f"{name}: transformers no longer defines {block}"
+        assert reason is None or len(reason) > 40
