@@ -9,7 +9,11 @@ from __future__ import annotations
 import inspect
 import re
 
+import numpy as np
 import torch
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.gate_report import verify
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
@@ -120,10 +124,11 @@ def to_dtype(model, dtype: torch.dtype):
     return model
 
 
-def capture_layers(model, ids):
+def capture_layers(model, ids, forward=None):
     """One forward with hooks of our own on every routed layer's norm, router, experts and block: the layers and,
     per layer name, what each hook saw (``x``, ``g``, ``router``, ``out``, and ``index``: the active sets the
-    model handed its experts, when they are called as ``experts(x, top_k_index, top_k_weights)``)."""
+    model handed its experts, when they are called as ``experts(x, top_k_index, top_k_weights)``). ``forward``:
+    ``(model, ids)`` for models that are not transformers causal LMs."""
     from atlas_tracking.adapters import find_routed_layers
 
     layers = find_routed_layers(model)
@@ -137,7 +142,76 @@ def capture_layers(model, ids):
         if lay.fusable:
             handles.append(lay.experts.register_forward_hook(lambda m, i, o, d=d: d.update(index=i[1])))
     with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False) if forward is None else forward(model, ids)
     for h in handles:
         h.remove()
     return layers, seen
+
+
+# --- the exactness checks every supported family passes (transformers, LitGPT, torchtitan) ---------------------
+
+CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "batch_windows": 4, "anchors": 24, "n_bootstrap": 20}})
+DRIFT = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
+
+
+def recombined(lay, g, routing):
+    """``sum_e w_e u_e(g) + shared(g)`` in fp32, with the model's own experts."""
+    with torch.no_grad():
+        u = lay.expert_outputs(g, routing.active)
+        combined = (routing.weights.unsqueeze(-1) * u.float()).sum(1)
+        shared = lay.shared_output(g)
+    return combined if shared is None else combined + shared.float().reshape(combined.shape)
+
+
+def check_exact(family, model, forward=None):
+    """Active sets are the model's (as handed to its experts, and a top-k of the adapter's scores), and
+    ``sum w u + shared`` is the block's output within 1e-5 relative."""
+    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
+    layers, seen = capture_layers(model, ids, forward)
+    assert layers, family
+    for lay in layers:
+        d = seen[lay.name]
+        g = d["g"].reshape(-1, d["g"].shape[-1])
+        routing = lay.routing(d["router"], g)
+        if "index" in d:  # the sets the model handed its experts in this forward
+            theirs = d["index"].reshape(len(g), -1)
+            assert [set(r) for r in routing.active.tolist()] == [set(r) for r in theirs.tolist()], lay.name
+        kth = routing.scores.gather(1, routing.active).min(1).values
+        outside = routing.scores.scatter(1, routing.active, float("-inf")).max(1).values
+        assert bool((kth >= outside).all()), lay.name  # the model's choice is a top-k of the adapter's scores
+        out = d["out"].reshape(len(g), -1).float()
+        rel = (recombined(lay, g, routing) - out).norm() / out.norm()
+        assert rel < 1e-5, (family, lay.name, float(rel))
+        assert torch.allclose(routing.rho.sum(1), torch.ones(len(g)), atol=1e-5)
+        assert torch.allclose(routing.probs.sum(1), torch.ones(len(g)), atol=1e-5)
+        assert routing.scores.shape[1] == lay.num_experts and routing.active.shape[1] == lay.top_k
+
+
+def check_bf16(family, model, forward=None):
+    """In bf16 (as transformers loads it) the adapter's fp32 scores reproduce the model's choice (ties aside)."""
+    ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(2))
+    layers, seen = capture_layers(to_dtype(model, torch.bfloat16), ids, forward)
+    for lay in layers:
+        d = seen[lay.name]
+        routing = lay.routing(d["router"], d["g"].reshape(-1, d["g"].shape[-1]))
+        ours = routing.scores.topk(lay.top_k, dim=1).indices
+        theirs = d["index"].reshape(len(ours), -1).long() if "index" in d else routing.active
+        kth = routing.scores.gather(1, theirs).min(1).values
+        outside = routing.scores.scatter(1, theirs, float("-inf")).max(1).values
+        ties = kth == outside  # exact ties in the model's own scores: either choice is the model's
+        same = torch.tensor([set(a) == set(b) for a, b in zip(ours.tolist(), theirs.tolist())])
+        assert bool((same | ties).all()), (family, lay.name)
+        assert bool((kth >= outside).all()), (family, lay.name)
+
+
+def check_measure(model, forward=None):
+    """``measure`` + ``verify`` pass (the self-check included) and the model compared with itself drifts by 0."""
+    canary = Canary.from_token_ids(np.arange(400) * 7 % 64, window=16, n_windows=4, seed=0)
+    kw = {} if forward is None else {"forward": forward}
+    report = measure(model, canary, config=CFG, **kw)
+    assert verify(report.to_dict()) == []
+    assert all(lay["selfcheck"]["recombination"] is not None for lay in report.layers)
+    again = measure(model, canary, baseline=Baseline.from_report(report), config=CFG, **kw)
+    assert verify(again.to_dict()) == []
+    for lay in again.drift["layers"]:
+        assert [lay[k] for k in DRIFT] == [0.0] * 4, lay["name"]

@@ -8,82 +8,19 @@ adapter self-check included) and a checkpoint compared with itself drifts by exa
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from families import FAMILIES, capture_layers, family_model, to_dtype
+from families import FAMILIES, capture_layers, check_bf16, check_exact, check_measure, family_model
 
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters import NoRoutedLayersError, find_routed_layers
-from atlas_tracking.gate_report import verify
-
-CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "batch_windows": 4, "anchors": 24, "n_bootstrap": 20}})
-DRIFT = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
-
-
-def _recombined(lay, g, routing):
-    with torch.no_grad():
-        u = lay.expert_outputs(g, routing.active)
-        combined = (routing.weights.unsqueeze(-1) * u.float()).sum(1)
-        shared = lay.shared_output(g)
-    return combined if shared is None else combined + shared.float().reshape(combined.shape)
-
-
-def _check_exact(family, model):
-    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
-    layers, seen = capture_layers(model, ids)
-    assert layers, family
-    for lay in layers:
-        d = seen[lay.name]
-        g = d["g"].reshape(-1, d["g"].shape[-1])
-        routing = lay.routing(d["router"], g)
-        if "index" in d:  # the sets the model handed its experts in this forward
-            theirs = d["index"].reshape(len(g), -1)
-            assert [set(r) for r in routing.active.tolist()] == [set(r) for r in theirs.tolist()], lay.name
-        kth = routing.scores.gather(1, routing.active).min(1).values
-        outside = routing.scores.scatter(1, routing.active, float("-inf")).max(1).values
-        assert bool((kth >= outside).all()), lay.name  # the model's choice is a top-k of the adapter's scores
-        out = d["out"].reshape(len(g), -1).float()
-        rel = (_recombined(lay, g, routing) - out).norm() / out.norm()
-        assert rel < 1e-5, (family, lay.name, float(rel))
-        assert torch.allclose(routing.rho.sum(1), torch.ones(len(g)), atol=1e-5)
-        assert torch.allclose(routing.probs.sum(1), torch.ones(len(g)), atol=1e-5)
-        assert routing.scores.shape[1] == lay.num_experts and routing.active.shape[1] == lay.top_k
-
-
-def _check_bf16(family, model):
-    ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(2))
-    layers, seen = capture_layers(to_dtype(model, torch.bfloat16), ids)
-    for lay in layers:
-        d = seen[lay.name]
-        routing = lay.routing(d["router"], d["g"].reshape(-1, d["g"].shape[-1]))
-        ours = routing.scores.topk(lay.top_k, dim=1).indices
-        theirs = d["index"].reshape(len(ours), -1).long() if "index" in d else routing.active
-        kth = routing.scores.gather(1, theirs).min(1).values
-        outside = routing.scores.scatter(1, theirs, float("-inf")).max(1).values
-        ties = kth == outside  # exact ties in the model's own scores: either choice is the model's
-        same = torch.tensor([set(a) == set(b) for a, b in zip(ours.tolist(), theirs.tolist())])
-        assert bool((same | ties).all()), (family, lay.name)
-        assert bool((kth >= outside).all()), (family, lay.name)
-
-
-def _check_measure(model):
-    canary = Canary.from_token_ids(np.arange(400) * 7 % 64, window=16, n_windows=4, seed=0)
-    report = measure(model, canary, config=CFG)
-    assert verify(report.to_dict()) == []
-    assert all(lay["selfcheck"]["recombination"] is not None for lay in report.layers)
-    again = measure(model, canary, baseline=Baseline.from_report(report), config=CFG)
-    assert verify(again.to_dict()) == []
-    for lay in again.drift["layers"]:
-        assert [lay[k] for k in DRIFT] == [0.0] * 4, lay["name"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_is_read_exactly(family):
     model = family_model(family)
-    _check_exact(family, model)
-    _check_measure(model)
-    _check_bf16(family, model)
+    check_exact(family, model)
+    check_measure(model)
+    check_bf16(family, model)
 
 
 def test_deepseek_dense_layers_groups_and_scaling():
