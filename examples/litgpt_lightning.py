@@ -11,20 +11,17 @@ at fit start and a gate after every validation, and writes ``<out>/atlas/gates.j
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
+from atlas_tracking.integrations.lightning import AtlasCallback
+from demo_data import VOCAB_SIZE, code_text, encode, prose_text
+from moe_lightning import loaders
 
-sys.path.insert(0, str(Path(__file__).parent))
-from demo_data import VOCAB_SIZE, code_text, encode, prose_text  # noqa: E402
-from moe_lightning import loaders  # noqa: E402
-
-from atlas_tracking import Canary  # noqa: E402
-from atlas_tracking.integrations.lightning import AtlasCallback  # noqa: E402
+from atlas_tracking import Canary
 
 
 def litgpt_moe(seed: int = 0, layers: int = 2, width: int = 64, experts: int = 8):

@@ -54,7 +54,7 @@ def test_litgpt_moe_is_read_exactly(variant):
     model = litgpt_model(variant)
     layers = find_routed_layers(model)
     assert {lay.family for lay in layers} == {"litgpt"}
-    assert [lay.name for lay in layers][0] == ("transformer.h.1.mlp" if variant == "deepseek" else "transformer.h.0.mlp")
+    assert layers[0].name == ("transformer.h.1.mlp" if variant == "deepseek" else "transformer.h.0.mlp")
     check_exact(f"litgpt-{variant}", model, litgpt_forward)
     check_measure(model, litgpt_forward)
     check_bf16(f"litgpt-{variant}", model, litgpt_forward)
