@@ -24,7 +24,7 @@ Tolerances are relative and scale with the working precision (``TOLERANCE``); th
 allows rounding ties in reduced precision (``ACTIVE_SET_TOLERANCE``).
 
     >>> rel_tolerance(torch.float32), rel_tolerance(torch.bfloat16)
-    (0.0001, 0.02)
+    (0.001, 0.02)
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import torch
 from atlas_tracking.receipts.geometry import rms_normalize
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
-TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-"""Relative tolerance by the lowest precision a comparison went through: about 7 times the worst error of a
-correct adapter over every supported family (bf16: 3e-3, fused and unfused; fp32: 2e-7, held to 1e-4)."""
+TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+"""Relative tolerance by the lowest precision a comparison went through. The worst errors of correct adapters
+over every supported family: bf16 3e-3 (fused and unfused); fp32 2e-7, but 3e-4 where an expert's small output
+comes from larger intermediates (torchtitan's 0.02-std init) and the sampled tokens meet other matmul blocking
+than the forward's. Wrong entries err by 0.1 to 1."""
 ACTIVE_SET_TOLERANCE = 0.01
 """Share of tokens whose adapter active set may differ from the model's (rounding ties)."""
 SAMPLE_TOKENS = 16

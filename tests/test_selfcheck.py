@@ -71,7 +71,7 @@ def test_the_right_entry_passes_with_its_errors_recorded(family):
     report = measure(model, CANARY, config=config(True))
     for lay in report.layers:
         s = lay["selfcheck"]
-        assert s["tolerance"] == pytest.approx(1e-4)
+        assert s["tolerance"] == pytest.approx(1e-3)
         assert all(s[k] <= 1e-5 for k in ("gain", "block_input", "recombination", "experts_call"))
         assert s["active_set"] == 0.0 and s["rank_violation_share"] == 0.0
 

@@ -15,7 +15,7 @@ from atlas_tracking.adapters.base import (
     register_family,
     registered_families,
 )
-from atlas_tracking.integrations import autoep, deepspeed, litgpt, megatron  # noqa: F401  (register their blocks)
+from atlas_tracking.integrations import autoep, deepspeed, litgpt, megatron, torchtitan  # noqa: F401  (their blocks)
 
 __all__ = [
     "NoRoutedLayersError",
