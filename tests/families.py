@@ -76,29 +76,51 @@ CONFIGS: dict[str, dict] = {
     "inkling2_text": {},
     "llama4_text": dict(intermediate_size_mlp=48, interleave_moe_layer_step=1),
     "jetmoe": dict(kv_channels=8, num_key_value_heads=4),
+    # composite (vision-language) models: their text model's config, and a one-block vision tower
+    "qwen3_vl_moe": dict(text_config=dict(num_experts=8, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]}),
+                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4,
+                                            out_hidden_size=32, num_position_embeddings=64)),
+    "glm4v_moe": dict(text_config=dict(rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                        "partial_rotary_factor": 1.0}),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32)),
+    "mistral4": dict(MLA, routed_scaling_factor=1.5),
 }
 FAMILIES = tuple(CONFIGS)
 ORIGINAL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def family_config(name: str):
-    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has) and ``CONFIGS[name]``."""
+    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has) and ``CONFIGS[name]``; a
+    composite config gets them in its ``text_config``."""
     from transformers import AutoConfig
 
-    cls = type(AutoConfig.for_model(name))
+    extra = dict(CONFIGS[name])
+    default = AutoConfig.for_model(name)
+    if "text_config" in extra:
+        text = type(default.text_config)
+        extra["text_config"] = {**_common(text), **extra["text_config"]}
+        return AutoConfig.for_model(name, **extra)
+    return AutoConfig.for_model(name, **{**_common(type(default)), **extra})
+
+
+def _common(cls) -> dict:
     fields = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
-    return AutoConfig.for_model(name, **{**{k: v for k, v in COMMON.items() if k in fields}, **CONFIGS[name]})
+    return {k: v for k, v in COMMON.items() if k in fields}
 
 
 def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A tiny random model of family ``name``, in eval mode, with routers and norm gains given spread (a fresh
     model's zero routers and unit gains would make routing and the gain convention degenerate)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from atlas_tracking.adapters import find_routed_layers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name)).eval()
+    config = family_config(name)
+    try:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    except ValueError:  # a composite model: measured through its text model
+        model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for lay in find_routed_layers(model):
             tensors = [*lay.router.named_parameters(), *lay.router.named_buffers(),

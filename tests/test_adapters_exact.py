@@ -90,6 +90,8 @@ def test_every_causal_lm_moe_family_of_the_installed_transformers_is_supported_o
     so does a row whose block class the installed transformers no longer defines."""
     import importlib
 
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     from atlas_tracking.adapters.families import FAMILIES as ROWS
     from atlas_tracking.adapters.families import NOT_MOE, REFUSED, REFUSED_ALIASES
 
@@ -103,7 +105,8 @@ def test_every_causal_lm_moe_family_of_the_installed_transformers_is_supported_o
     untested = sorted(row.name for row in ROWS if row.name not in FAMILIES)
     assert not untested, f"supported families without a tiny test config: {untested}"
     for name, (blocks, reason) in [*((r.name, (r.blocks, None)) for r in ROWS), *REFUSED.items()]:
-        module = importlib.import_module(f"transformers.models.{moe[name]}.modeling_{moe[name]}")
+        folder = model_type_to_module_name(name)
+        module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
         for block in blocks:
             assert hasattr(module, block), f"{name}: transformers no longer defines {block}"
         assert reason is None or len(reason) > 40

@@ -24,7 +24,7 @@ from atlas_tracking.adapters.routers import BiasedScores, GroupLimit, TopLogits,
 
 SOFTMAX = TopLogits()
 TOPK_SOFTMAX = TopLogits(kind="topk_softmax")
-DSV3 = BiasedScores(groups=GroupLimit(), kind="sigmoid")
+DSV3 = BiasedScores(groups=GroupLimit(), kind="sigmoid+bias, group-limited")
 """DeepSeek-V3: sigmoid + correction bias ranked inside the best ``topk_group`` of ``n_group`` groups."""
 BLOCK_BIAS = BiasedScores(bias="block.e_score_correction_bias", kind="sigmoid+bias")
 SHARED = Shared("shared_experts")
@@ -116,6 +116,11 @@ FAMILIES: tuple[Family, ...] = (
            router_attr="router", shared=Shared("shared_expert"), layer=InputScaledLayer, model_types=("llama4",)),
     Family("jetmoe", ("JetMoeMoE",), TopLogits(read=jetmoe_read, kind="topk_softmax"), router_attr="router",
            experts="input_linear", layer=JetMoeLayer),
+    # the text models of composite (vision-language) checkpoints
+    Family("qwen3_vl_moe", ("Qwen3VLMoeTextSparseMoeBlock",), SOFTMAX),
+    _deepseek_v3("glm4v_moe", "Glm4vMoeTextMoE"),
+    Family("mistral4", ("Mistral4MoE",), BiasedScores(score="softmax", bias=None, fp32=False, groups=GroupLimit(fill=0.0),
+                                                      kind="softmax, group-limited (mask filled with 0)"), shared=SHARED),
 )
 
 LAYERNORM = ("its pre-norm is a mean-centred LayerNorm, so the norm's pre-gain state is not z = x / rms(x) "

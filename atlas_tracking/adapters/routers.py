@@ -110,9 +110,9 @@ class GroupLimit:
 class BiasedScores:
     """A router that ranks ``score(logits) + bias``, optionally group-limited.
 
-    ``score``: 'sigmoid', 'softmax' (always in fp32, as every transformers router takes it), 'identity'
-    (the logits), or a path to the router's own score function (``"router.score_fn"``); ``fp32``: the
-    score is taken on fp32 logits (else in the logits' own dtype, as the router does); ``bias``: a path
+    ``score``: 'sigmoid', 'softmax', 'identity' (the logits), or a path to the router's own score function
+    (``"router.score_fn"``); ``fp32``: the score is taken on fp32 logits (else in the logits' own dtype, as
+    the router does); ``bias``: a path
     from the layer to the correction bias (``"router.e_score_correction_bias"``, ``"block.expert_bias"``;
     missing or None: no bias); ``gate``: how the combine weights come from the logits when not from the
     score itself (Kolibri ranks ``logits + bias`` and weighs by the sigmoid).
@@ -131,7 +131,7 @@ class BiasedScores:
         if self.score == "sigmoid":
             return torch.sigmoid(x)
         if self.score == "softmax":
-            return torch.softmax(logits.float(), dim=-1)
+            return torch.softmax(x, dim=-1)
         if self.score == "identity":
             return x
         return resolve(layer, self.score)(x)
