@@ -10,9 +10,13 @@ are refused (their norm is mean-centred). Blocks are found by class inside a ``G
 wrappers of its Fabric / Lightning training scripts (``_FabricModule``, a ``LightningModule``); LitGPT
 itself is not imported here.
 
-    >>> from atlas_tracking import find_routed_layers                     # doctest: +SKIP
-    >>> [lay.name for lay in find_routed_layers(GPT(Config(mlp_class_name="LLaMAMoE", ...)))]
-    ['transformer.h.0.mlp', 'transformer.h.1.mlp']
+    >>> from litgpt import GPT, Config
+    >>> from atlas_tracking import find_routed_layers
+    >>> model = GPT(Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, padded_vocab_size=64, block_size=32,
+    ...                    mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, intermediate_size=48,
+    ...                    moe_intermediate_size=24, norm_class_name="RMSNorm"))
+    >>> [(lay.name, lay.family, lay.router_kind) for lay in find_routed_layers(model)]
+    [('transformer.h.0.mlp', 'litgpt', 'topk_softmax'), ('transformer.h.1.mlp', 'litgpt', 'topk_softmax')]
 """
 
 from __future__ import annotations
