@@ -121,8 +121,14 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
         model = AutoModelForCausalLM.from_config(config).eval()
     except ValueError:  # a composite model: measured through its text model
         model = AutoModelForImageTextToText.from_config(config).eval()
+    spread(find_routed_layers(model))
+    return to_dtype(model, dtype)
+
+
+def spread(layers) -> None:
+    """Give routers, their biases and the norm gains spread (fresh ones are zero, ones or tiny)."""
     with torch.no_grad():
-        for lay in find_routed_layers(model):
+        for lay in layers:
             tensors = [*lay.router.named_parameters(), *lay.router.named_buffers(),
                        *((n, t) for n, t in lay.block.named_parameters(recurse=False) if "bias" in n),
                        *((n, t) for n, t in lay.block.named_buffers(recurse=False) if "bias" in n)]
@@ -130,7 +136,6 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
                 if t.is_floating_point():
                     t.normal_(0, 0.1 if "bias" in tname else 0.5)
             lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
-    return to_dtype(model, dtype)
 
 
 def to_dtype(model, dtype: torch.dtype):

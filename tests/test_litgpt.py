@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import check_bf16, check_exact, check_measure
+from families import check_bf16, check_exact, check_measure, spread
 
 from atlas_tracking.adapters import NoRoutedLayersError, find_routed_layers
 
@@ -37,15 +37,13 @@ def litgpt_model(variant: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = litgpt.GPT(Config(**{**COMMON, **VARIANTS[variant]})).eval()
-    with torch.no_grad():
-        for lay in find_routed_layers(model):
-            for name, t in [*lay.router.named_parameters(), *lay.router.named_buffers()]:
-                t.normal_(0, 0.1 if "bias" in name else 0.5)
-            if variant == "unit-offset-norm":
+    layers = find_routed_layers(model)
+    spread(layers)
+    if variant == "unit-offset-norm":
+        with torch.no_grad():
+            for lay in layers:
                 lay.norm.add_unit_offset = True
                 lay.norm.weight.normal_(0, 0.1)
-            else:
-                lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
     return model
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import check_bf16, check_exact, check_measure
+from families import check_bf16, check_exact, check_measure, spread
 
 from atlas_tracking.adapters import NoRoutedLayersError, find_routed_layers
 
@@ -30,12 +30,7 @@ def _cpu_histc():
 
 def titan_model(name: str):
     model = MODELS[name]().eval()
-    with torch.no_grad():
-        for lay in find_routed_layers(model):
-            lay.router.gate.weight.normal_(0, 0.5)
-            if lay.block.expert_bias is not None:
-                lay.block.expert_bias.normal_(0, 0.1)
-            lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
+    spread(find_routed_layers(model))
     return model
 
 
