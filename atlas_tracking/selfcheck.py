@@ -95,45 +95,57 @@ class SelfCheck:
         """Keep what the model handed its experts in this micro-batch (fused mode)."""
         self._call = (hidden, index, weights)
 
-    def _sample(self, n: int, active: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(n, device=active.device)
+    def _sample(self, n_windows: int, active: torch.Tensor) -> torch.Tensor:
+        """Native rows of the first ``SAMPLE_TOKENS`` positions of the micro-batch's first window (the same
+        tokens whatever the batching), less those whose experts are held elsewhere."""
+        pos = torch.arange(min(SAMPLE_TOKENS, len(active) // n_windows), device=active.device)
+        rows = pos * n_windows if self.layer.sequence_first else pos
         local = self.layer.local_experts()
         if local is not None:  # fields of experts held elsewhere are not evaluated here
-            rows = rows[local.to(active.device)[active].all(dim=1)]
-        if len(rows) > SAMPLE_TOKENS:
-            rows = rows[torch.linspace(0, len(rows) - 1, SAMPLE_TOKENS, device=rows.device).long()]
+            rows = rows[local.to(active.device)[active.index_select(0, rows)].all(dim=1)]
         return rows
+
+    def _per_window(self, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+        """Relative errors ``[windows]`` of two ``[B, L, d]`` (sequence-first: ``[L, B, d]``) tensors."""
+        dims = (0, 2) if self.layer.sequence_first else (1, 2)
+        ours, theirs = ours.float(), theirs.float()
+        num, den = (ours - theirs).norm(dim=dims), theirs.norm(dim=dims)
+        return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny),
+                           torch.where(num > 0, float("inf"), 0.0))
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, router_out: Any,
                 out: torch.Tensor, windows: tuple[int, int]) -> None:
         """Compare one micro-batch's norm, block input, output and routing with the adapter's reading.
 
-        The comparisons that evaluate experts run once per gate, on the micro-batch holding the canary's
-        first window (whatever the sharding), in one call of the experts for ``SAMPLE_TOKENS`` tokens (plus,
-        in fused mode, one call of the experts' own forward): a structural mismatch shows at any token, and
-        the gate stays one forward pass.
+        The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
+        Those that evaluate experts run once per gate, at the first tokens of the canary's first window, in
+        one call of the experts (plus, in fused mode, one call of the experts' own forward): a structural
+        mismatch shows at any token, and the gate stays one forward pass.
         """
         layer, call = self.layer, self._call
         self._call = None
-        d = g.shape[-1]
+        w0, w1 = windows
+        n_windows, d = w1 - w0, g.shape[-1]
+        errs = torch.full((n_windows, len(CHECKS)), float("nan"), device=self.acc.device)
+        col = {name: j for j, name in enumerate(CHECKS)}
+        errs[:, col["gain"]] = self._per_window(layer.gamma() * rms_normalize(x, layer.norm_eps), g)
+        same_size = isinstance(block_input, torch.Tensor) and block_input.numel() == g.numel()
+        errs[:, col["block_input"]] = self._per_window(block_input.reshape(g.shape), g) if same_size else float("inf")
         g2, out2 = g.reshape(-1, d), out.reshape(-1, d)
-        errors = dict.fromkeys(CHECKS, float("nan"))
-        errors["gain"] = rel_error(layer.gamma() * rms_normalize(x.reshape(-1, d), layer.norm_eps), g2)
-        if isinstance(block_input, torch.Tensor) and block_input.numel() == g2.numel():
-            errors["block_input"] = rel_error(block_input.reshape(-1, d), g2)
-        else:
-            errors["block_input"] = float("inf")
         routing = layer.routing(router_out, g2)
         if call is not None:
-            errors["active_set"] = 1.0 - float(_same_sets(routing.active, call[1].reshape(len(g2), -1).long())
-                                               .float().mean())
+            mismatch = ~_same_sets(routing.active, call[1].reshape(len(g2), -1).long())
+            shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
+            errs[:, col["active_set"]] = mismatch.view(shape).float().mean(dim=0 if layer.sequence_first else 1)
         dtypes = [g.dtype, out.dtype]
-        rows = self._sample(len(g2), routing.active) if windows[0] == 0 else g2.new_empty(0, dtype=torch.long)
+        rows = self._sample(n_windows, routing.active) if w0 == 0 else g2.new_empty(0, dtype=torch.long)
         if len(rows):
+            errors = dict.fromkeys(CHECKS, float("nan"))
             dtypes.append(self._expert_checks(errors, rows, g2, out2, routing, call))
-        w0, w1 = windows
-        self.acc.arrays["selfcheck"][w0:w1] = torch.tensor([errors[c] for c in CHECKS], device=self.acc.device)
+            for name in ("recombination", "experts_call"):
+                errs[0, col[name]] = errors[name]
+        self.acc.arrays["selfcheck"][w0:w1] = errs
         self.acc.arrays["selfcheck_tol"][w0:w1] = rel_tolerance(*dtypes)
 
     def _expert_checks(self, errors: dict[str, float], rows: torch.Tensor, g2: torch.Tensor, out2: torch.Tensor,
