@@ -10,8 +10,10 @@ from atlas_tracking.config import AtlasConfig, ConfigError
 from atlas_tracking.gate_report import ArtifactError, GateReport
 from atlas_tracking.history import read_history
 from atlas_tracking.measure import RouterLogitsError, measure
+from atlas_tracking.selfcheck import AdapterCheckError
 
 __all__ = [
+    "AdapterCheckError",
     "ArtifactError",
     "AtlasConfig",
     "Baseline",
