@@ -285,8 +285,10 @@ class LayerCapture:
         self._x = self._g = self._router_out = self._stash = None
 
     def _parameters(self) -> Any:
-        """The norm's and router's parameters gathered while the hooks read them outside their own forward."""
-        return gathered([self.layer.norm, self.layer.router])
+        """The norm's and router's parameters gathered while the hooks read them outside their own forward;
+        at the gate's first call the whole block's, whose experts and shared experts the self-check evaluates
+        there (every rank makes that call, so a ZeRO-3 gather is matched on every rank)."""
+        return gathered([self.layer.norm, self.layer.router] + ([self.layer.block] if self.calls == 0 else []))
 
     def _on_norm(self, module, inputs, output) -> None:
         self._x, self._g = inputs[0], output
@@ -301,7 +303,9 @@ class LayerCapture:
             out = self.layer.block_output(output)
             with self._parameters():
                 self.compute(self._x, self._g, self._router_out, out, self._stash)
-            self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out, self.windows)
+                if self.batch.keep:
+                    self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
+                                       (self.batch.start, self.batch.end), self.batch.size)
         finally:
             self._x = self._g = self._router_out = self._stash = None
         self.calls += 1

@@ -100,9 +100,11 @@ class SelfCheck:
         tokens whatever the batching), less those whose experts are held elsewhere."""
         pos = torch.arange(min(SAMPLE_TOKENS, len(active) // n_windows), device=active.device)
         rows = pos * n_windows if self.layer.sequence_first else pos
-        local = self.layer.local_experts()
-        if local is not None:  # fields of experts held elsewhere are not evaluated here
-            rows = rows[local.to(active.device)[active.index_select(0, rows)].all(dim=1)]
+        placement = self.layer.expert_placement()
+        if placement is not None:  # fields of experts held elsewhere are not evaluated here
+            group, owner = placement
+            local = owner.to(active.device) == torch.distributed.get_rank(group=group)
+            rows = rows[local[active.index_select(0, rows)].all(dim=1)]
         return rows
 
     def _per_window(self, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ class SelfCheck:
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, router_out: Any,
-                out: torch.Tensor, windows: tuple[int, int]) -> None:
+                out: torch.Tensor, windows: tuple[int, int], size: int) -> None:
         """Compare one micro-batch's norm, block input, output and routing with the adapter's reading.
 
         The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
@@ -126,7 +128,7 @@ class SelfCheck:
         layer, call = self.layer, self._call
         self._call = None
         w0, w1 = windows
-        n_windows, d = w1 - w0, g.shape[-1]
+        n_windows, d = size, g.shape[-1]
         errs = torch.full((n_windows, len(CHECKS)), float("nan"), device=self.acc.device)
         col = {name: j for j, name in enumerate(CHECKS)}
         errs[:, col["gain"]] = self._per_window(layer.gamma() * rms_normalize(x, layer.norm_eps), g)
@@ -145,7 +147,7 @@ class SelfCheck:
             dtypes.append(self._expert_checks(errors, rows, g2, out2, routing, call))
             for name in ("recombination", "experts_call"):
                 errs[0, col[name]] = errors[name]
-        self.acc.arrays["selfcheck"][w0:w1] = errs
+        self.acc.arrays["selfcheck"][w0:w1] = errs[: w1 - w0]  # padding windows come last
         self.acc.arrays["selfcheck_tol"][w0:w1] = rel_tolerance(*dtypes)
 
     def _expert_checks(self, errors: dict[str, float], rows: torch.Tensor, g2: torch.Tensor, out2: torch.Tensor,
