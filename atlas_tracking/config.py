@@ -113,7 +113,7 @@ class PolicyConfig:
     n_stable: int = 2
     """Pretraining: consecutive gates whose gate-to-gate C2 and occupancy changes stay inside the
     tolerances (or whose paired CIs cover 0) before the atlas counts as a stable baseline for handoff."""
-    collapse_dead_fraction: float = 0.5
+    collapse_dead_fraction: float = 0.75
     """Occupancy collapse: a routed layer on which more than this fraction of the experts receive no canary
     token."""
     collapse_effective_experts: float = 2.0

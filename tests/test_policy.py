@@ -204,7 +204,7 @@ def test_occupancy_collapse_is_yellow_with_a_warn_in_pretraining():
     collapsed["layers"][1].update(dead_experts=28, router_entropy=0.9)
     out = replay([_pre(0, 0.10, 4, 2.5, 150), _pre(200, 0.10, 4, 2.5, 150), collapsed], PRE)
     assert (out[2]["status"], out[2]["stage"]) == ("YELLOW", "collapse")
-    assert out[2]["collapse"] == ["l1: 28 of 32 experts dead (more than 0.5 of them)",
+    assert out[2]["collapse"] == ["l1: 28 of 32 experts dead (more than 0.75 of them)",
                                   "l1: effective experts exp(H) = 2.46 < 2 x top-k 2"]
     assert [(a["level"], a["title"]) for a in out[2]["alerts"]] == [("WARN", "atlas: occupancy collapse at step 400")]
     assert out[2]["intervention"].startswith("Check the load-balancing loss")
