@@ -28,7 +28,8 @@ import math
 from typing import Any
 
 STATUS_CODES = {"BASELINE": 0, "GREEN": 1, "YELLOW": 2, "RED": 3}
-STAGE_CODES = {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5, "intervene": 6}
+STAGE_CODES = {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5, "intervene": 6,
+               "forming": 7, "ready": 8, "collapse": 9}
 
 SUMMARY_METRICS = (
     "c2", "c2_min", "c2_protected", "dead_experts", "dead_experts_max", "experts_active", "min_entropy",
@@ -79,7 +80,7 @@ def gate_record(
         r = layer["receipts"]
         entry: dict[str, Any] = {
             "name": layer["name"], "index": layer["index"], "ordinal": layer["ordinal"],
-            "protected": layer["protected"],
+            "protected": layer["protected"], "num_experts": layer.get("num_experts"), "top_k": layer.get("top_k"),
         }
         entry.update({k: r.get(k) for k in LAYER_FIELDS if k in r})
         d = drift_layers.get(layer["name"])

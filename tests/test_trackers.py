@@ -20,7 +20,7 @@ from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
 
 from atlas_tracking.record import gate_metrics
 
-STRICT = {**QUIET, "policy": {"c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
+STRICT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
 """Zero tolerances: the first post-baseline gate reads bad, so the run enters revoked (an alert)."""
 
 
