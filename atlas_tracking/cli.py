@@ -1,6 +1,7 @@
-"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report.
+"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report, judge.
 
-Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement.
+Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement; ``judge`` exits 0 for
+a real fix, 1 for not yet, 2 for not comparable.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
     from atlas_tracking import compare, replay, report
+    from atlas_tracking.judge import register as register_judge
 
-    return [compare.register, replay.register, report.register]
+    return [compare.register, replay.register, report.register, register_judge]
 
 
 def build_parser() -> argparse.ArgumentParser:
