@@ -68,6 +68,9 @@ class ReceiptsConfig:
     """Storage dtype of the base expert fields in a baseline artifact."""
     content_quantile: float = 0.9
     """Quantile over the active set in ``content_drift``."""
+    terminal_band: int = 3
+    """Routed layers before the terminal one whose mean ``ov_cf`` the terminal jump is taken against
+    (``ov_cf_terminal_jump``; fewer when the model has fewer)."""
     progress: bool = True
     """Print progress for long canaries (to stderr)."""
 
@@ -75,7 +78,7 @@ class ReceiptsConfig:
         _check_range(prefix, "boundary_q", self.boundary_q, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "ci_level", self.ci_level, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "content_quantile", self.content_quantile, 0.0, 1.0)
-        for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors"):
+        for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors", "terminal_band"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
         if any(d <= 0 for d in self.boundary_deltas):
