@@ -181,9 +181,11 @@ def _reference_ci(a: dict, b: dict, key: str) -> list[float]:
                     s = sum(lay["c2"]["sum"][w] for w in rows)
                     c = sum(lay["c2"]["count"][w] for w in rows)
                     per_layer.append(s / c)
-                else:  # dead experts
+                else:
                     load = [sum(lay["load"][w][e] for w in rows) for e in range(len(lay["load"][0]))]
-                    per_layer.append(sum(1 for x in load if x == 0))
+                    mean = sum(load) / len(load)
+                    std = (sum((x - mean) ** 2 for x in load) / len(load)) ** 0.5
+                    per_layer.append(sum(1 for x in load if x == 0) if key == "dead_experts" else 100 * std / mean)
             vals.append(sum(per_layer) / len(per_layer))
         diffs.append(vals[1] - vals[0])
     alpha = (1 - rc["ci_level"]) / 2
@@ -196,9 +198,10 @@ def test_paired_window_bootstrap_cis_from_the_receipts_artifacts(tmp_path):
     canary = tiny_canary()
     stressed = tiny_module(seed=0).model
     candidate = tiny_module(seed=0).model
-    with torch.no_grad():  # a different router on the candidate: the receipts move
+    torch.manual_seed(1)
+    with torch.no_grad():  # a different router on the candidate: routing, occupancy and C2 move
         for layer in candidate.model.layers:
-            layer.mlp.gate.weight.mul_(0.2)
+            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
     for name, model in (("stressed", stressed), ("candidate", candidate)):
         g = AtlasGate(model, canary, QUIET, out_dir=tmp_path / name)
         for step, loss in [(0, 5.0), (10, 4.9), (20, 4.8)]:
@@ -208,11 +211,12 @@ def test_paired_window_bootstrap_cis_from_the_receipts_artifacts(tmp_path):
     a = json.loads((tmp_path / "stressed" / "receipts" / "step_00000020.json").read_text())
     b = json.loads((tmp_path / "candidate" / "receipts" / "step_00000020.json").read_text())
     last = res["pairs"][-1]
-    for key in ("c2", "dead_experts"):
+    for key in ("c2", "dead_experts", "mean_cv"):
         ref = _reference_ci(a, b, key)
         assert last["ci"][key] == pytest.approx(ref, rel=1e-9, abs=1e-12), key
         assert math.isclose(last["deltas"][key], b["summary"][key] - a["summary"][key], rel_tol=1e-9, abs_tol=1e-12)
     assert res["verdict"] in ("real fix", "not yet")
+    assert last["ci"]["mean_cv"][0] < last["ci"]["mean_cv"][1]  # the occupancy moved: the CIs are not degenerate
     # a receipts file that no longer matches its record's sha256 is not used: the evidence says point deltas
     (tmp_path / "candidate" / "receipts" / "step_00000020.json").write_text("{}")
     res = judge(tmp_path / "stressed", tmp_path / "candidate")
