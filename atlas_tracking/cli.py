@@ -114,8 +114,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
     from atlas_tracking import compare, replay, report
+    from atlas_tracking.integrations import wandb_workspace
 
-    return [compare.register, replay.register, report.register]
+    return [compare.register, replay.register, report.register, wandb_workspace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:
