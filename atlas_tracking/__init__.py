@@ -8,6 +8,7 @@ from atlas_tracking.baseline import Baseline, BaselineError
 from atlas_tracking.canary import Canary, CanaryError
 from atlas_tracking.config import AtlasConfig, ConfigError
 from atlas_tracking.gate_report import ArtifactError, GateReport
+from atlas_tracking.history import read_history
 from atlas_tracking.measure import RouterLogitsError, measure
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RouterLogitsError",
     "find_routed_layers",
     "measure",
+    "read_history",
     "register_family",
 ]
 __version__ = "0.1.0"

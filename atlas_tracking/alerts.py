@@ -1,7 +1,8 @@
 """Alert rules: stage alerts of the staged escalation plus user threshold rules (plain events).
 
-Defaults: entering ``revoked`` (WARN), entering ``intervene`` (ERROR), a resume baseline (INFO)
-and recovery back to ``clean`` (INFO); levels come from :class:`~atlas_tracking.config.AlertsConfig`
+Defaults: entering ``revoked`` (WARN), entering ``intervene`` (ERROR), a resume baseline (INFO),
+a re-baseline after a canary change (INFO, naming both fingerprints) and recovery back to
+``clean`` (INFO); levels come from :class:`~atlas_tracking.config.AlertsConfig`
 and "off" disables one. Threshold rules (``dead_experts > 64 on any protected layer``) fire at
 most once per ``min_interval_steps``. Trackers deliver the events elsewhere.
 
@@ -70,7 +71,16 @@ class AlertEngine:
     def _stage_events(self, decision: dict[str, Any], record: dict[str, Any]) -> list[AlertEvent]:
         step, stage, prev = int(decision["step"]), decision.get("stage"), self.last_stage
         out = []
-        if decision.get("status") == "BASELINE" and record.get("resume") and self.cfg.on_resume_baseline != "off":
+        changed_from = record.get("canary_changed_from")
+        if decision.get("status") == "BASELINE" and changed_from and self.cfg.on_canary_change != "off":
+            now = record.get("canary_fingerprint") or "?"
+            out.append(self._event(
+                self.cfg.on_canary_change, f"atlas: canary changed, re-baseline at step {step}",
+                f"The canary changed from {changed_from[:16]} to {now[:16]}: the gate at step {step} is a new "
+                f"baseline on the new canary (stage before resume: {decision.get('stage_before_resume')}); receipts "
+                "are never compared across canaries, and the previous baseline is kept.",
+                "canary_change", step))
+        elif decision.get("status") == "BASELINE" and record.get("resume") and self.cfg.on_resume_baseline != "off":
             out.append(self._event(
                 self.cfg.on_resume_baseline, f"atlas: resume baseline at step {step}",
                 f"Training resumed; the gate at step {step} is a new baseline (stage before resume: "

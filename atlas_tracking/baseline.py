@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -113,13 +114,15 @@ class Baseline:
     # --- persistence ------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         """Write the directory atomically: a complete new copy replaces any previous one."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()  # the process umask applies (a temporary-directory helper would make it owner-only)
         try:
-            save_file(self.tensors, str(tmp / TENSORS_FILE), metadata={"kind": KIND})
+            # written by Python, not by safetensors' own file writer (which makes files owner-only)
+            (tmp / TENSORS_FILE).write_bytes(save(self.tensors, metadata={"kind": KIND}))
             manifest = {**self.manifest, "tensors_sha256": _sha256(tmp / TENSORS_FILE)}
             write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))
             if directory.exists():
@@ -176,7 +179,13 @@ class Baseline:
         return np.asarray(self.manifest["anchors"]["positions"], dtype=np.int64)
 
     def check_compatible(self, model_layers: list[dict[str, Any]], model_class: str, canary_fingerprint: str) -> None:
-        """Raise :class:`BaselineError` naming the first mismatch with this model and canary."""
+        """Raise :class:`BaselineError` naming the first mismatch with this model and canary.
+
+        What must match is the routed layers (family, experts, top-k, width, and the layer path up
+        to a wrapper's prefix), not the class that wraps them: a baseline saved while training a
+        ``LightningModule`` (layers ``model.model.layers.N.mlp``) serves the exported transformers
+        checkpoint (``model.layers.N.mlp``). ``model_class`` only names the model in messages.
+        """
         base_fp = self.manifest["canary"]["fingerprint"]
         if base_fp != canary_fingerprint:
             raise BaselineError(
@@ -185,16 +194,17 @@ class Baseline:
             )
         mine = [_layer_key(layer) for layer in model_layers]
         theirs = self.manifest["model"]["layers"]
-        if self.manifest["model"]["class"] != model_class:
-            raise BaselineError(
-                f"architecture mismatch: baseline is from {self.manifest['model']['class']}, model is {model_class}"
-            )
         if len(mine) != len(theirs):
-            raise BaselineError(f"architecture mismatch: baseline has {len(theirs)} routed layers, model has {len(mine)}")
+            raise BaselineError(
+                f"architecture mismatch: baseline ({self.manifest['model']['class']}) has {len(theirs)} routed "
+                f"layers, model ({model_class}) has {len(mine)}")
         for a, b in zip(mine, theirs):
-            if a != b:
-                diff = ", ".join(f"{k} {b[k]} vs {a[k]}" for k in a if a[k] != b.get(k))
-                raise BaselineError(f"architecture mismatch at routed layer {a['name']}: {diff} (baseline vs model)")
+            diff = [f"{k} {b.get(k)} vs {a[k]}" for k in a if k != "name" and a[k] != b.get(k)]
+            if not _same_path(a["name"], b["name"]):
+                diff.insert(0, f"path {b['name']} vs {a['name']}")
+            if diff:
+                raise BaselineError(f"architecture mismatch at routed layer {a['name']}: {', '.join(diff)} "
+                                    "(baseline vs model)")
 
     def layer_tensors(self, i: int, device: torch.device) -> dict[str, torch.Tensor]:
         out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS}
@@ -204,6 +214,15 @@ class Baseline:
 
 def _layer_key(layer: dict[str, Any]) -> dict[str, Any]:
     return {k: layer[k] for k in ("name", "family", "num_experts", "top_k", "hidden_size")}
+
+
+def _same_path(a: str, b: str) -> bool:
+    """The same module path, up to a prefix added by a wrapper (``model.layers.0.mlp`` in ``model.model.layers.0.mlp``).
+
+    >>> _same_path("model.model.layers.0.mlp", "model.layers.0.mlp"), _same_path("layers.10.mlp", "layers.0.mlp")
+    (True, False)
+    """
+    return a == b or a.endswith("." + b) or b.endswith("." + a)
 
 
 # --- drift receipts from per-window arrays (shared by measure and verify) --------------------------

@@ -9,6 +9,10 @@ Example:
     True
     >>> [list(range(*b)) for b in c.shard(rank=1, world_size=2, batch_windows=1)]
     [[1], [3]]
+    >>> Canary.coerce(None)
+    Traceback (most recent call last):
+    ...
+    atlas_tracking.canary.CanaryError: canary must be a Canary, a [n_windows, window] array of token ids, or the path of a saved canary (.npz/.npy); got None
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +90,25 @@ class Canary:
         except (ValueError, OSError, KeyError) as exc:
             raise CanaryError(f"cannot read canary file {path}: {exc}") from None
 
+    @classmethod
+    def coerce(cls, canary: Any) -> Canary:
+        """A :class:`Canary` from a Canary, a 2-D array of token ids, or a saved file's path.
+
+        The one check of the canary argument shared by ``AtlasGate``, the Lightning callback and the
+        command line: anything else is a :class:`CanaryError` that names what was given.
+        """
+        if isinstance(canary, Canary):
+            return canary
+        if isinstance(canary, (str, Path)):
+            return cls.load(canary)
+        if isinstance(canary, np.ndarray):
+            return cls(windows=canary)
+        what = "None" if canary is None else f"a {type(canary).__name__}"
+        raise CanaryError(
+            "canary must be a Canary, a [n_windows, window] array of token ids, or the path of a saved "
+            f"canary (.npz/.npy); got {what}"
+        )
+
     def save(self, path: str | Path) -> Path:
         """Write to ``.npz`` (windows, offsets, seed) or ``.npy`` (windows only), atomically."""
         path = Path(path)
@@ -138,12 +162,65 @@ class Canary:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         return self.batches(batch_windows)[rank::world_size]
 
-    def check_fits(self, vocab_size: int | None, max_positions: int | None) -> None:
-        """Raise a one-line error when token ids exceed the vocabulary or windows the context."""
-        top = int(self.windows.max())
-        if vocab_size is not None and top >= vocab_size:
-            raise CanaryError(f"canary token id {top} is out of the model's vocabulary (vocab_size={vocab_size})")
-        if max_positions is not None and self.window > max_positions:
-            raise CanaryError(
-                f"canary window length {self.window} exceeds the model's context (max_position_embeddings={max_positions})"
-            )
+
+VOCAB_ATTRS = ("vocab_size", "padded_vocab_size", "n_vocab")
+"""Names a model (or its config) uses for the vocabulary size."""
+CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "block_size",
+                 "n_ctx")
+"""Names a model (or its config) uses for the longest sequence it accepts."""
+
+
+def _declared(holder: Any, names: tuple[str, ...]) -> tuple[int, str] | None:
+    for name in names:
+        value = getattr(holder, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, name
+    return None
+
+
+def model_limits(model: Any) -> dict[str, Any]:
+    """The vocabulary size and context length a model declares, and where they were found.
+
+    Searched in module order (the model first, then its submodules, so a LightningModule wrapping a
+    transformers model finds the inner ``config``): each module's ``config`` and then the module's
+    own attributes (``vocab_size``, ``max_position_embeddings``, ``max_sequence_length``,
+    ``block_size``, ...). Without a declared vocabulary size, the input embedding table's row count
+    bounds the token ids.
+
+    >>> import torch
+    >>> model_limits(torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 50)))
+    {'vocab_size': 50, 'vocab_where': '0.num_embeddings', 'context': None, 'context_where': None}
+    """
+    import torch
+
+    out: dict[str, Any] = {"vocab_size": None, "vocab_where": None, "context": None, "context_where": None}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for holder, where in ((getattr(module, "config", None), f"{prefix}config"), (module, name or "model")):
+            if holder is None:
+                continue
+            if out["vocab_size"] is None and (found := _declared(holder, VOCAB_ATTRS)):
+                out["vocab_size"], out["vocab_where"] = found[0], f"{where}.{found[1]}"
+            if out["context"] is None and (found := _declared(holder, CONTEXT_ATTRS)):
+                out["context"], out["context_where"] = found[0], f"{where}.{found[1]}"
+        if out["vocab_size"] is not None and out["context"] is not None:
+            return out
+    if out["vocab_size"] is None:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Embedding):
+                out["vocab_size"], out["vocab_where"] = module.num_embeddings, f"{name or 'model'}.num_embeddings"
+                break
+    return out
+
+
+def check_canary_fits(model: Any, canary: Canary) -> None:
+    """The one check of a canary against a model (ids inside the vocabulary, windows inside the context),
+    shared by ``measure``, ``AtlasGate``, the Lightning callback and the command line."""
+    limits = model_limits(model)
+    top = int(canary.windows.max())
+    if limits["vocab_size"] is not None and top >= limits["vocab_size"]:
+        raise CanaryError(f"canary token id {top} is out of the model's vocabulary "
+                          f"({limits['vocab_where']}={limits['vocab_size']})")
+    if limits["context"] is not None and canary.window > limits["context"]:
+        raise CanaryError(f"canary window length {canary.window} exceeds the model's context "
+                          f"({limits['context_where']}={limits['context']})")

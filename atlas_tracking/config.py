@@ -155,6 +155,8 @@ class AlertsConfig:
     on_intervene: Literal["INFO", "WARN", "ERROR", "off"] = "ERROR"
     on_resume_baseline: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
     on_recovered: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    on_canary_change: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    """A resume with another canary: the re-baseline alert names both fingerprints."""
     wait_duration_s: float = 300.0
     """Minimum seconds between two identical alerts delivered by a tracker."""
     rules: list[AlertRule] = field(default_factory=list)
@@ -174,6 +176,9 @@ class GateConfig:
     checkpoint_on_green: bool = False
     keep_green_checkpoints: int = 3
     log_per_layer: bool = True
+    existing_record: Literal["new_dir", "refuse"] = "new_dir"
+    """A fresh run whose out_dir holds another run's record: write to a new directory beside it
+    (``<out_dir>-2``, ...; a warning names it) or refuse with an error. Never appended to."""
 
     def _validate(self, prefix: str) -> None:
         if self.every_n_validations < 1:

@@ -59,17 +59,27 @@ def fig_dead(recs: list[dict[str, Any]]):
     return fig
 
 
-def layer_groups(n: int) -> list[str]:
-    """'early', 'mid', 'late' thirds of the routed layers."""
-    return ["early" if i < n / 3 else "mid" if i < 2 * n / 3 else "late" for i in range(n)]
+def layer_groups(layers: list[dict[str, Any]]) -> list[str]:
+    """Each routed layer's group from the record's own ``protected`` flag (``lifecycle.protected_layers``):
+    'protected', 'early' before the first protected layer, 'late' after the last, 'unprotected' between.
+
+    >>> layer_groups([{"protected": p} for p in (False, False, True, True, True, True, False, False)])
+    ['early', 'early', 'protected', 'protected', 'protected', 'protected', 'late', 'late']
+    """
+    flags = [bool(lay.get("protected")) for lay in layers]
+    if not any(flags):
+        return ["unprotected"] * len(layers)
+    first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
+    return ["protected" if f else "early" if i < first else "late" if i > last else "unprotected"
+            for i, f in enumerate(flags)]
 
 
 def fig_layer_c2(layers: list[dict[str, Any]], title: str):
     plt = pyplot()
-    groups = layer_groups(len(layers))
+    groups = layer_groups(layers)
     fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(layers) + 1)))
     values = [lay.get("c2") or 0.0 for lay in layers]
-    palette = {"early": "#5dade2", "mid": "#e67e22", "late": "#8e44ad"}
+    palette = {"early": "#5dade2", "protected": "#e67e22", "late": "#8e44ad", "unprotected": "#95a5a6"}
     ax.barh([f"{g}: {lay.get('name')}" for g, lay in zip(groups, layers)], values,
             color=[palette[g] for g in groups])
     ax.axvline(0, color="black", lw=0.6)
@@ -96,8 +106,6 @@ def fig_timeline(recs: list[dict[str, Any]]):
     ax.set_xlabel("step")
     ax.set_title("Stage timeline (dots coloured by status; alert levels annotated)")
     return fig
-
-
 
 
 def fig_c2_heatmap(history: list[tuple[int, list[float | None]]], layer_names: list[str]):

@@ -5,6 +5,17 @@ Megatron-Core loops: measure the receipts (collectively, on every rank), keep or
 baseline, read the gate with the policy, evaluate alert rules, then on rank zero write the
 local record (``<out_dir>/gates.jsonl``, first) and deliver to the trackers.
 
+The record is one history per run (:mod:`atlas_tracking.history`): a fresh gate never appends to
+another run's directory (``gate.existing_record``), and :meth:`AtlasGate.resume` after a restart
+moves gates of an abandoned branch aside, brings the policy up to date and lets the trackers
+catch up. In a plain loop, keep ``gate.state_dict()`` in the checkpoint and resume with it::
+
+    gate = AtlasGate(model, canary, "atlas.yaml", out_dir="atlas")
+    if restored is not None:
+        gate.resume(restored["step"], restored["atlas"])   # on every rank
+    ...
+    checkpoint["atlas"] = gate.state_dict()
+
 Example (plain loop):
     >>> import numpy as np, torch, tempfile
     >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -22,10 +33,10 @@ Example (plain loop):
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
-import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +46,9 @@ from torch import nn
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.alerts import AlertEngine
 from atlas_tracking.baseline import Baseline, BaselineError
-from atlas_tracking.canary import Canary
+from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.config import AtlasConfig
+from atlas_tracking.history import RunDir, RunDirError, append_line, key, new_id, read_history, sha256_text
 from atlas_tracking.measure import ForwardFn, default_forward, measure
 from atlas_tracking.policy import GatePolicy, GateSummary
 from atlas_tracking.record import gate_metrics, gate_record
@@ -45,10 +57,21 @@ from atlas_tracking.sinks import Delivery, JsonlSink, WebhookSink
 log = logging.getLogger("atlas_tracking")
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _is_rank_zero() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
-        torch.distributed.get_rank() == 0
-    )
+    return not _distributed() or torch.distributed.get_rank() == 0
+
+
+def _from_rank_zero(obj: Any) -> Any:
+    """Rank zero's ``obj`` on every rank (collective under ``torch.distributed``)."""
+    if not _distributed() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class AtlasGate:
@@ -57,7 +80,7 @@ class AtlasGate:
     def __init__(
         self,
         model: nn.Module,
-        canary: Canary,
+        canary: Canary | str | Path,
         config: AtlasConfig | dict | str | Path | None = None,
         *,
         out_dir: str | Path = "atlas",
@@ -67,9 +90,10 @@ class AtlasGate:
         keep_receipts: bool = True,
     ):
         self.model = model
-        self.canary = canary
+        self.canary = Canary.coerce(canary)
         self.config = AtlasConfig.coerce(config)
-        self.out_dir = Path(out_dir)
+        check_canary_fits(model, self.canary)
+        self.run_dir = RunDir(out_dir)
         self.layers = layers if layers is not None else find_routed_layers(model)
         self.forward = forward
         self.keep_receipts = keep_receipts
@@ -77,18 +101,31 @@ class AtlasGate:
         self.alerts = AlertEngine(self.config.alerts, self.config.lifecycle)
         self.baseline: Baseline | None = None
         self.baseline_path: str | None = None
-        self._resume_pending = False
+        self.run_id: str | None = None
+        """The run's identity, constant across resumes (set when the run directory is claimed)."""
+        self.branch = new_id()
+        """This training segment: every record it writes carries it."""
+        self.lineage: list[list[Any]] = []
+        """(step, branch) of every gate in this state's history, in order."""
         self.gates_run = 0
         self.seconds_total = 0.0
         """Wall time spent in gates so far (measure, baseline, policy, delivery): the cost of monitoring."""
+        self._resume_pending = False
+        self._claimed = False
+        self._restored: dict[str, Any] | None = None
+        self._canary_changed_from: str | None = None
         extra = [] if sinks is None else list(sinks)
         webhook = WebhookSink.from_config(self.config.alerts.webhook_url, self.config.alerts.webhook_url_env)
         if webhook is not None:
             extra.append(webhook)
-        self.local = JsonlSink(self.out_dir / "gates.jsonl")
+        self.local = JsonlSink(self.run_dir.gates)
         self.delivery = Delivery(self.local, extra)
 
-    # --- lifecycle ---------------------------------------------------------------------------
+    # --- the run directory ------------------------------------------------------------------
+    @property
+    def out_dir(self) -> Path:
+        return self.run_dir.path
+
     def add_sink(self, sink: Any) -> None:
         self.delivery.add(sink)
 
@@ -96,9 +133,51 @@ class AtlasGate:
         """The next gate is the first after a restart: it becomes a new BASELINE."""
         self._resume_pending = True
 
-    @property
-    def baseline_dir(self) -> Path:
-        return self.out_dir / "baseline"
+    def claim(self) -> Path:
+        """Take the run directory for this run (collective); returns the directory the record goes to.
+
+        A directory that holds another run's record is never appended to: with
+        ``gate.existing_record: new_dir`` (default) the record goes to the first free sibling
+        ``<out_dir>-2``, ``-3``, ... (a warning names it); with ``refuse`` it is a :class:`RunDirError`.
+        """
+        if self._claimed:
+            return self.out_dir
+        try:
+            decision = self._choose_dir() if _is_rank_zero() else None
+        except RunDirError as exc:
+            decision = exc
+        decision = _from_rank_zero(decision)
+        if isinstance(decision, Exception):
+            raise RunDirError(str(decision))
+        path, self.run_id, self.branch = decision
+        self.run_dir = RunDir(path)
+        self.local.path = self.run_dir.gates
+        self._claimed = True
+        return self.out_dir
+
+    def _choose_dir(self) -> tuple[str, str, str]:
+        run_id = (self._restored or {}).get("run_id") or self.run_id or new_id()
+        adopt_legacy = self._restored is not None and not self._restored.get("run_id")
+        first = self.run_dir.path
+        path, n = first, 1
+        while True:
+            held, owner = RunDir(path).owner()
+            if not held or owner == run_id or (owner is None and adopt_legacy):
+                break
+            if self.config.gate.existing_record == "refuse":
+                raise RunDirError(
+                    f"{path} holds the record of another run (run {owner or 'without id'}, "
+                    f"{RunDir(path).describe()}); choose another out_dir, move that record away, or set "
+                    f"gate.existing_record: new_dir to write to a new directory beside it")
+            n += 1
+            path = first.with_name(f"{first.name}-{n}")
+        if path != first:
+            message = (f"atlas: {first} holds the record of another run ({RunDir(first).describe()}); "
+                       f"this run's record goes to {path} (gate.existing_record: new_dir)")
+            log.warning(message)
+            warnings.warn(message, UserWarning, stacklevel=4)
+        RunDir(path).write_identity(run_id, self.canary.fingerprint)
+        return str(path), run_id, self.branch
 
     def _load_existing_baseline(self) -> None:
         if self.baseline is None and self.baseline_path and Path(self.baseline_path).exists():
@@ -109,12 +188,16 @@ class AtlasGate:
                 self.baseline = None
 
     # --- one gate ----------------------------------------------------------------------------
-    def run(self, step: int, loss: float | None = None) -> dict[str, Any]:
-        """Measure, read and deliver one gate; returns the gate record (identical on every rank).
+    def run(self, step: int, loss: float | None = None, *, log_step: int | None = None) -> dict[str, Any]:
+        """Measure, read and deliver one gate; returns the gate record.
 
-        The record's ``gate_seconds`` is the wall time of the measurement and its reading (the
-        delivery that follows is added to ``seconds_total``).
+        ``step`` is the training step (the record's key); ``log_step`` the step trackers plot it at
+        when the training framework logs its own metrics at another step (default ``step``). The
+        record's ``gate_seconds`` is the wall time of the measurement and its reading (the delivery
+        that follows is added to ``seconds_total``). The returned record is the same on every rank
+        except ``receipts_sha256``, which rank zero adds when it writes the receipts.
         """
+        self.claim()
         t0 = time.perf_counter()
         self._load_existing_baseline()
         resume = self._resume_pending
@@ -125,56 +208,109 @@ class AtlasGate:
         )
         if new_baseline:
             self.baseline = Baseline.from_report(report)
-            self.baseline_path = str(self.baseline_dir)
+            target = self.run_dir.baseline_dir(step, self.branch)
+            self.baseline_path = str(target)
             if _is_rank_zero():
-                self.baseline.save(self.baseline_dir)
+                self.baseline.save(target)
+                self.run_dir.point_baseline(target)
         record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
+        record.update(run_id=self.run_id, branch=self.branch)
+        if log_step is not None:
+            record["log_step"] = int(log_step)
+        if resume and self._canary_changed_from:
+            record["canary_changed_from"] = self._canary_changed_from
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
-        events = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in self.alerts.evaluate(decision, record)]
+        events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events
         record.update({k: v for k, v in decision.items() if k != "step"})
         self._resume_pending = False
+        self._canary_changed_from = None
         self.gates_run += 1
+        self.lineage.append([int(step), self.branch])
         record["gate_seconds"] = time.perf_counter() - t0
         if _is_rank_zero():
-            self._deliver(record, report, events, step)
+            self._deliver(record, report, events)
         self.seconds_total += time.perf_counter() - t0
         return record
 
-    def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]], step: int) -> None:
+    def _tracker_step(self, record: dict[str, Any]) -> int:
+        return int(record.get("log_step", record["step"]))
+
+    def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]]) -> None:
         if self.keep_receipts:
-            report.save(self.out_dir / "receipts" / f"step_{step:08d}.json")
-        self.delivery.gate(record, gate_metrics(record, self.config.gate.log_per_layer), step)
-        for event in events:
-            self.delivery.alert(event)
+            from atlas_tracking.gate_report import write_atomic
+
+            text = report.to_json()
+            write_atomic(self.run_dir.receipts_file(record["step"]), text)
+            record["receipts_sha256"] = sha256_text(text)
+        metrics = gate_metrics(record, self.config.gate.log_per_layer)
+        self.delivery.gate(record, metrics, self._tracker_step(record), events)
 
     def record_failure(self, step: int, exc: BaseException) -> None:
         """Write a failed gate to ``errors.jsonl`` (the gate record stays replayable) and warn."""
-        if not _is_rank_zero():
+        if not _is_rank_zero() or not self._claimed:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "errors.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": step, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_line(self.run_dir.errors, {"step": int(step), "error": f"{type(exc).__name__}: {exc}",
+                                          "run_id": self.run_id, "branch": self.branch})
 
-    def catch_up(self, until_step: int) -> int:
-        """Replay local records newer than the restored state, up to the restored training step.
+    def evaluate(self, step: int, loss: float | None = None, kind: str = "validate") -> dict[str, Any]:
+        """A gate outside the training history (``trainer.validate()`` / ``trainer.test()``).
 
-        A checkpoint can be written before the gate of its own step ran (e.g. at train-batch end);
-        those gates are in ``gates.jsonl`` and belong to the restored timeline, so the policy and
-        alert state are brought up to date from them (nothing is re-delivered). Returns the count.
+        Measured like a gate and read against the run's baseline on a copy of the policy, so the
+        run's stage does not move; written to ``evaluations.jsonl`` (with ``kind``) on rank zero,
+        never to ``gates.jsonl``, and not delivered to trackers.
         """
-        records = self.local.records()
-        last = self.policy.history[-1]["step"] if self.policy.history else -1
+        self._load_existing_baseline()
+        report = measure(self.model, self.canary, baseline=self.baseline, config=self.config, step=step,
+                         layers=self.layers, forward=self.forward, keep_anchors=False)
+        record = gate_record(report, None, step=step, loss=loss,
+                             baseline_path=self.baseline_path if self.baseline is not None else None)
+        record.update(kind=kind, run_id=self.run_id, branch=self.branch)
+        decision = copy.deepcopy(self.policy).read(GateSummary.from_dict(record)).to_dict()
+        record.update({k: v for k, v in decision.items() if k != "step"})
+        if _is_rank_zero():
+            append_line(self.run_dir.evaluations, record)
+            log.info("atlas %s gate step=%s status=%s (written to %s; not part of the training history)",
+                     kind, step, record["status"], self.run_dir.evaluations)
+        return record
+
+    # --- restart -----------------------------------------------------------------------------
+    def resume(self, step: int, state: dict[str, Any]) -> dict[str, int]:
+        """Continue a run from a training state saved by :meth:`state_dict`, restored at ``step``.
+
+        Collective (call it on every rank). Restores the policy and alert state, claims the run
+        directory (the same run), makes the record the history of the restored state (gates of
+        an abandoned branch move to ``gates.abandoned.jsonl``, their receipts follow), replays the
+        gates that ran after the state was saved up to ``step`` (a checkpoint written before its
+        own gate), marks the next gate as a resume baseline, and lets every tracker run catch up
+        with the gates of the history it has not received. Returns the counts.
+        """
+        self.load_state_dict(state)
+        self.claim()
+        payload: Any = None
+        if _is_rank_zero():
+            repaired = self.run_dir.repair()
+            lineage = self._restored.get("lineage") if self._restored else None
+            moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"))
+            history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
+            payload = (moved, history, repaired)
+        moved, history, repaired = _from_rank_zero(payload)
+        read = self.lineage or self.policy.history  # a state saved before lineages were kept has only the latter
+        last = int(read[-1][0] if self.lineage else read[-1]["step"]) if read else -1
         caught = 0
-        for rec in records:
-            if last < rec["step"] <= until_step:
+        for rec in history:
+            if last < rec["step"] <= step:
                 decision = self.policy.read(GateSummary.from_dict(rec)).to_dict()
                 self.alerts.evaluate(decision, rec)
                 self.gates_run += 1
                 caught += 1
-        return caught
+        self.lineage = [list(key(rec)) for rec in history]
+        self.mark_resume()
+        delivered = 0
+        if _is_rank_zero():
+            delivered = self.delivery.catch_up(
+                history, lambda r: gate_metrics(r, self.config.gate.log_per_layer), self._tracker_step)
+        return {"moved_aside": moved, "caught_up": caught, "redelivered": delivered, **repaired}
 
     def finish(self) -> None:
         self.delivery.finish()
@@ -185,19 +321,33 @@ class AtlasGate:
             "policy": self.policy.state_dict(),
             "alerts": self.alerts.state_dict(),
             "baseline_path": self.baseline_path,
-            "baseline_canary": self.canary.fingerprint,
+            "canary_fingerprint": self.canary.fingerprint,
             "gates_run": self.gates_run,
+            "run_id": self.run_id,
+            "branch": self.branch,
+            "lineage": [list(k) for k in self.lineage],
         }
 
-    def load_state_dict(self, state: dict[str, Any], resume: bool = True) -> None:
-        """Restore policy and alert state; by default the next gate is a resume baseline."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore policy and alert state (use :meth:`resume` after a restart: it calls this).
+
+        A state measured on another canary is a loud re-baseline: its baseline is not reused (it
+        stays where it is), and the next gate records ``canary_changed_from`` and raises the
+        ``alerts.on_canary_change`` alert naming both fingerprints.
+        """
         self.policy.load_state_dict(state["policy"])
         self.alerts.load_state_dict(state["alerts"])
         self.baseline_path = state.get("baseline_path")
         self.gates_run = int(state.get("gates_run", 0))
-        if state.get("baseline_canary") not in (None, self.canary.fingerprint):
-            log.warning("atlas: the restored state was measured on another canary; its baseline is not reused")
+        self.lineage = [list(k) for k in state.get("lineage", [])]
+        if state.get("run_id"):
+            self.run_id = state["run_id"]
+        self._restored = state
+        before = state.get("canary_fingerprint", state.get("baseline_canary"))
+        if before is not None and before != self.canary.fingerprint:
+            self._canary_changed_from = before
+            log.warning("atlas: the restored state was measured on canary %s, this run's canary is %s: the next gate "
+                        "is a new baseline on the new canary (the old baseline is kept at %s)",
+                        before[:16], self.canary.fingerprint[:16], self.baseline_path)
             self.baseline_path = None
         self.baseline = None
-        if resume:
-            self.mark_resume()

@@ -30,7 +30,7 @@ from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.anchors import AnchorPlan
-from atlas_tracking.canary import Canary
+from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.capture import (
     LayerAccumulator,
     LayerCapture,
@@ -68,13 +68,6 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _model_limits(model: nn.Module) -> tuple[int | None, int | None]:
-    cfg = getattr(model, "config", None)
-    vocab = getattr(cfg, "vocab_size", None)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    return (int(vocab) if vocab else None, int(max_pos) if max_pos else None)
-
-
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -82,20 +75,32 @@ def _dist_rank_world() -> tuple[int, int]:
 
 
 class _Progress:
+    """Canary progress on stderr: one rewritten line on a terminal; on a file or pipe (a log), plain
+    lines, at most one every ``LOG_EVERY_S`` seconds plus the last."""
+
+    LOG_EVERY_S = 10.0
+
     def __init__(self, total: int, enabled: bool, callback: Callable[[int, int], None] | None):
         self.total, self.done = total, 0
         self.enabled, self.callback = enabled and total > 1, callback
-        self.t0 = time.perf_counter()
+        self.t0 = self.shown = time.perf_counter()
+        self.tty = self.enabled and sys.stderr.isatty()
 
     def step(self, windows: int) -> None:
         self.done += windows
         if self.callback is not None:
             self.callback(self.done, self.total)
-        elif self.enabled:
-            rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
-            print(f"\ratlas: {self.done}/{self.total} canary windows ({rate:.1f}/s)", end="", file=sys.stderr)
-            if self.done >= self.total:
-                print(file=sys.stderr)
+            return
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        line = f"atlas: {self.done}/{self.total} canary windows ({self.done / max(now - self.t0, 1e-9):.1f}/s)"
+        last = self.done >= self.total
+        if self.tty:
+            print("\r" + line, end="\n" if last else "", file=sys.stderr, flush=True)
+        elif last or now - self.shown >= self.LOG_EVERY_S:
+            self.shown = now
+            print(line, file=sys.stderr, flush=True)
 
 
 def measure_partial(
@@ -277,7 +282,7 @@ def measure(
     """
     cfg = AtlasConfig.coerce(config)
     layers = layers if layers is not None else find_routed_layers(model)
-    canary.check_fits(*_model_limits(model))
+    check_canary_fits(model, canary)
     if baseline is not None:
         baseline.check_compatible([lay.describe() for lay in layers], type(model).__name__, canary.fingerprint)
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)

@@ -3,15 +3,23 @@
 A record is flat where the policy reads it (``step, c2, dead_experts, min_entropy, mean_cv,
 loss, margin, resume, num_experts, layers, c2_delta_ci``), so ``atlas-tracking replay
 atlas/gates.jsonl`` re-derives every decision from the local record alone; it also carries
-the decision, the alerts and the drift summary. ``gate_metrics`` turns a record into a
-bounded set of scalar metrics for trackers.
+the decision (whatever fields the policy returns), the alerts, the drift summary and its place
+in the run's history (``run_id``, ``branch``, ``canary_fingerprint``; see
+:mod:`atlas_tracking.history`). ``gate_metrics`` turns a record into a bounded set of scalar
+metrics for trackers.
+
+Units: the summary ``mean_cv`` and ``max_cv`` (and ``mean_cv_delta``) are in the paper's unit,
+the load CV x 100 (a percentage; the policy's ``cv_tol`` is in it too), while each layer's
+``load_cv`` is the plain fraction. Tracker metrics carry the unit in the name:
+``atlas/mean_cv_pct``, ``atlas/max_cv_pct`` beside ``atlas/layer_NN/load_cv``.
 
 Example:
     >>> rec = {"step": 10, "c2": 0.05, "dead_experts": 1.0, "min_entropy": 2.0, "mean_cv": 40.0,
-    ...        "status": "GREEN", "stage": "clean", "layers": [{"ordinal": 0, "c2": 0.05, "dead_experts": 1}]}
+    ...        "status": "GREEN", "stage": "clean", "layers": [{"ordinal": 0, "c2": 0.05, "dead_experts": 1,
+    ...        "load_cv": 0.4}]}
     >>> m = gate_metrics(rec)
-    >>> m["atlas/c2"], m["atlas/status_code"], m["atlas/layer_00/c2"]
-    (0.05, 1.0, 0.05)
+    >>> m["atlas/c2"], m["atlas/status_code"], m["atlas/mean_cv_pct"], m["atlas/layer_00/load_cv"]
+    (0.05, 1.0, 40.0, 0.4)
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ SUMMARY_METRICS = (
     "v2_c1_pass_layers", "v2_c2_pass_layers", "loss",
 )
 """Cross-layer summaries logged at every gate (bounded: independent of depth)."""
+
+METRIC_NAMES = {"mean_cv": "mean_cv_pct", "max_cv": "max_cv_pct"}
+"""Tracker names of summaries whose unit is not the per-layer one (CV x 100 against a fraction)."""
 
 LAYER_METRICS = ("c2", "dead_experts", "router_entropy", "load_cv", "margin_mean", "ov_cf", "c2_delta", "boundary_drift")
 """Per-layer receipts logged at every gate (one key per routed layer each)."""
@@ -105,7 +116,7 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
     for key in (*SUMMARY_METRICS, *DRIFT_METRICS):
         v = _num(record.get(key))
         if v is not None:
-            out[f"atlas/{key}"] = v
+            out[f"atlas/{METRIC_NAMES.get(key, key)}"] = v
     if _num(record.get("gate_seconds")) is not None:
         out["atlas/gate_seconds"] = float(record["gate_seconds"])
     if record.get("status") in STATUS_CODES:

@@ -4,7 +4,8 @@ Every input line is a gate (the first is the baseline) with at least ``step, c2,
 min_entropy, mean_cv, loss`` (loss may be null); optional ``margin, resume, num_experts,
 layers, c2_delta_ci``. ``atlas/gates.jsonl`` written by a run is valid input. All lines are
 read and validated before anything is printed: a bad line is one error naming the line
-number and the field, and nothing is half-written.
+number and the field, and nothing is half-written. A run's record is replayed as its one
+history (gates of an abandoned branch are not replayed).
 
 Example:
     >>> out = replay([{"step": 0, "c2": 0.08, "dead_experts": 42, "min_entropy": 3.0, "mean_cv": 140, "loss": None},
@@ -24,7 +25,8 @@ from typing import Any
 
 from atlas_tracking.alerts import AlertEngine
 from atlas_tracking.config import AtlasConfig
-from atlas_tracking.policy import GatePolicy, GateSummary, PolicyInputError
+from atlas_tracking.history import HistoryError, read_history
+from atlas_tracking.policy import GatePolicy, GateSummary
 
 OUTPUT_KEYS = ("step", "status", "stage", "action", "interpretation", "licensed", "unlicensed", "intervention", "alerts")
 
@@ -46,24 +48,12 @@ def replay(records: Iterable[dict[str, Any]], config: AtlasConfig | None = None)
 
 
 def read_gates(path: str | Path) -> list[dict[str, Any]]:
-    """Parse and validate every line; errors name the line number and field."""
-    records = []
+    """The run's history (:func:`~atlas_tracking.history.read_history`), every line validated first;
+    errors name the line number and field."""
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ReplayError(f"cannot read {path}: {exc.strerror}") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReplayError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        try:
-            GateSummary.from_dict(record)
-        except PolicyInputError as exc:
-            raise ReplayError(f"{path}:{number}: {exc}") from None
-        records.append(record)
+        records = read_history(path, check=GateSummary.from_dict)
+    except (HistoryError, OSError) as exc:
+        raise ReplayError(str(exc)) from None
     if not records:
         raise ReplayError(f"{path}: no gates (the first line must be the baseline)")
     return records

@@ -1,7 +1,9 @@
 """``atlas-tracking report``: a self-contained HTML page (and PNGs) for a run or one receipts file.
 
-For a run directory (``<run>/atlas/gates.jsonl``): loss and C2 against step (seeds/000 figure 4),
-dead experts per gate, per-layer C2 of the last gate grouped early / mid / late (figure 5), the
+For a run directory (``<run>/atlas/gates.jsonl``, read as one history with
+:func:`atlas_tracking.history.read_history`): loss and C2 against step (seeds/000 figure 4),
+dead experts per gate, per-layer C2 of the last gate grouped early / protected / late (figure 5; the
+groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``), the
 stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
 gate. For a receipts JSON: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
@@ -25,14 +27,7 @@ from atlas_tracking.figures import (
     png_bytes,
 )
 from atlas_tracking.gate_report import read_artifact, write_atomic
-
-
-def load_run(path: Path) -> list[dict[str, Any]]:
-    """Gate records of a run directory (``<run>/atlas/gates.jsonl`` or ``<dir>/gates.jsonl``)."""
-    for candidate in (path / "atlas" / "gates.jsonl", path / "gates.jsonl", path):
-        if candidate.is_file():
-            return [json.loads(line) for line in candidate.read_text().splitlines() if line.strip()]
-    raise FileNotFoundError(f"no gates.jsonl under {path}")
+from atlas_tracking.history import read_history
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -63,7 +58,7 @@ def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, byt
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
         "dead_experts.png": png_bytes(fig_dead(recs)),
         "layer_c2.png": png_bytes(
-            fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / mid / late)")),
+            fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / protected / late)")),
         "stage_timeline.png": png_bytes(fig_timeline(recs)),
     }
     rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
@@ -88,8 +83,8 @@ stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('a
 
 def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
     """The HTML page for one receipts artifact."""
-    layers = [{"name": lay["name"], **lay["receipts"]} for lay in data["layers"]]
-    figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / mid / late)"))}
+    layers = [{"name": lay["name"], "protected": lay.get("protected"), **lay["receipts"]} for lay in data["layers"]]
+    figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
     keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
     rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
     body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}"
@@ -108,7 +103,7 @@ def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None
     if source.is_file() and source.suffix == ".json":
         page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
     else:
-        page, figures = run_page(load_run(source), f"atlas run: {source.name}")
+        page, figures = run_page(read_history(source), f"atlas run: {source.name}")
     if png_dir is not None:
         png_dir = Path(png_dir)
         png_dir.mkdir(parents=True, exist_ok=True)

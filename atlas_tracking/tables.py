@@ -1,11 +1,16 @@
 """Plain-text tables for the console: one row per routed layer, one row per gate.
 
+Numbers get three significant digits below 0.1 and three decimals above. Signs are a column's
+property: a column that holds a negative number shows every non-zero number with its sign
+(a delta reads ``+0.0128`` beside ``-0.0074``), any other column shows none (``0.0972`` beside
+``0.166``).
+
 Example:
-    >>> print(format_table(["a", "b"], [[1, 0.5], [None, "x"]]))
-    a  b
-    -  -----
-    1  0.500
-    -  x
+    >>> print(format_table(["a", "b", "delta"], [[1, 0.5, 0.0128], [None, 0.0972, -0.0074]]))
+    a  b       delta
+    -  ------  -------
+    1  0.500   +0.0128
+    -  0.0972  -0.0074
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 LAYER_COLUMNS: list[tuple[str, str]] = [
     ("dead_experts", "dead"),
-    ("load_cv", "cv"),
+    ("load_cv", "load_cv"),
     ("router_entropy", "H"),
     ("margin_mean", "margin"),
     ("c2", "c2"),
@@ -25,19 +30,27 @@ LAYER_COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, signed: bool) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "pass" if value else "fail"
     if isinstance(value, float):
-        return f"{value:+.4f}" if abs(value) < 0.1 and value != 0 else f"{value:.3f}"
+        sign = "+" if signed and value != 0 else ""
+        return f"{value:{sign}.4f}" if abs(value) < 0.1 and value != 0 else f"{value:{sign}.3f}"
+    if signed and isinstance(value, int) and value > 0:
+        return f"+{value}"
     return str(value)
 
 
+def _negative(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
+
+
 def format_table(header: list[str], rows: list[list[Any]]) -> str:
-    """Left-aligned columns separated by two spaces."""
-    cells = [header] + [[_cell(v) for v in row] for row in rows]
+    """Left-aligned columns separated by two spaces; a column with a negative number is signed throughout."""
+    signed = [any(_negative(row[i]) for row in rows) for i in range(len(header))]
+    cells = [header] + [[_cell(v, signed[i]) for i, v in enumerate(row)] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -61,12 +74,12 @@ def layer_table(layers: list[dict[str, Any]]) -> str:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """One line: C2, dead experts, min entropy, mean CV, margin, canary NLL."""
+    """One line: C2, dead experts, min entropy, mean load CV (in %), margin, canary NLL."""
     def f(key: str, fmt: str) -> str:
         v = summary.get(key)
         return "-" if v is None else format(v, fmt)
 
     return (
-        f"c2={f('c2', '+.4f')} dead={f('dead_experts', '.1f')} min_H={f('min_entropy', '.3f')} "
-        f"cv={f('mean_cv', '.1f')} margin={f('margin', '.4f')} nll={f('canary_nll', '.4f')}"
+        f"c2={f('c2', '.4f')} dead={f('dead_experts', '.1f')} min_H={f('min_entropy', '.3f')} "
+        f"cv%={f('mean_cv', '.1f')} margin={f('margin', '.4f')} nll={f('canary_nll', '.4f')}"
     )

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.backward(loss)
         engine.step()
     gate.finish()
-    print(f"gate records: {Path(args.out) / 'gates.jsonl'}")
+    print(f"gate records: {gate.out_dir / 'gates.jsonl'}")
     return 0
 
 

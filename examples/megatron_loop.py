@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad()
         gate.finish()
-    print(f"gate records: {Path(args.out) / 'gates.jsonl'}")
+    print(f"gate records: {gate.out_dir / 'gates.jsonl'}")
     return 0
 
 

@@ -3,8 +3,11 @@
 Thin glue: Lightning hooks map to calls on :class:`atlas_tracking.gate.AtlasGate`, which owns
 measurement, baseline, policy, alerts, the local ``<default_root_dir>/atlas/gates.jsonl``
 record and tracker delivery. Trackers are picked up from ``trainer.loggers`` (``WandbLogger``,
-``MLFlowLogger``) or given explicitly. A failing gate never stops training: it is written to
-``atlas/errors.jsonl`` and reported as a warning.
+``MLFlowLogger``) or given explicitly, and receive each gate at the step Lightning logs the
+validation metrics at. A failing gate never stops training: it is written to
+``atlas/errors.jsonl`` and reported as a warning. ``trainer.fit(..., ckpt_path=...)`` resumes
+the run's record (:meth:`AtlasGate.resume`); ``trainer.validate()`` and ``trainer.test()`` run a
+gate outside the training history (``atlas/evaluations.jsonl``).
 
     >>> from atlas_tracking.integrations.lightning import AtlasCallback   # doctest: +SKIP
     >>> trainer = L.Trainer(callbacks=[AtlasCallback(canary="canary.npz", config="atlas.yaml")],
@@ -19,9 +22,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from atlas_tracking.adapters.base import find_routed_layers
 from atlas_tracking.canary import Canary
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate import AtlasGate
@@ -30,7 +33,10 @@ from atlas_tracking.sinks import LoggingSink
 
 log = logging.getLogger("lightning.pytorch.callbacks.atlas")
 
-LOSS_KEYS = ("val_loss", "val/loss", "validation_loss", "loss", "train_loss", "train/loss")
+VALIDATION_LOSS_KEYS = ("val_loss", "val/loss", "validation_loss", "validation/loss", "valid_loss")
+"""Validation loss names read when ``loss_key`` is not given (never a training loss)."""
+TEST_LOSS_KEYS = ("test_loss", "test/loss")
+"""Test loss names read by ``trainer.test()`` gates when ``loss_key`` is not given."""
 
 
 def _forward_target(module: torch.nn.Module) -> torch.nn.Module:
@@ -70,6 +76,20 @@ def _run_ids(loggers: list[Any]) -> dict[str, str]:
     return ids
 
 
+def logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs metrics at (``val_loss`` included): its count of batches that stepped.
+
+    Lightning's logger connector logs at ``fit_loop.epoch_loop._batches_that_stepped``, which
+    during a validation inside the training loop is one less than ``global_step`` (the count is
+    increased after validation); ``WandbLogger`` plots it as ``trainer/global_step`` and
+    ``MLFlowLogger`` as the metric step. Gates are delivered at this step so they line up with
+    ``val_loss``; the record keeps ``global_step`` as its key.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(loop, "_batches_that_stepped", None)
+    return int(value) if isinstance(value, int) else int(trainer.global_step)
+
+
 class AtlasCallback(pl.Callback):
     """Run an atlas gate after validation, every ``every_n_validations`` (never in the sanity check).
 
@@ -78,8 +98,10 @@ class AtlasCallback(pl.Callback):
         config: an :class:`~atlas_tracking.AtlasConfig`, a dict, or a YAML path.
         out_dir: where the baseline and gate records go (default ``<default_root_dir>/atlas``).
         sinks: extra sinks; W&B and MLflow loggers of the trainer are added automatically.
-        loss_key: the ``trainer.callback_metrics`` key read as the gate's loss (default: first of
-            ``val_loss``, ``val/loss``, ``loss``, ``train_loss``).
+        loss_key: the ``trainer.callback_metrics`` key read as the gate's loss (default: the first of
+            ``val_loss``, ``val/loss``, ``validation_loss``, ``validation/loss``, ``valid_loss``; in
+            ``trainer.test()`` ``test_loss``, ``test/loss``). When it is not logged, the gate's loss
+            is empty and a warning names the metrics that are; a training loss is never read instead.
     """
 
     def __init__(
@@ -91,8 +113,13 @@ class AtlasCallback(pl.Callback):
         loss_key: str | None = None,
     ):
         super().__init__()
-        self.canary = canary if isinstance(canary, Canary) else Canary.load(canary)
-        self.config = AtlasConfig.coerce(config)
+        try:
+            self.canary = Canary.coerce(canary)
+            self.config = AtlasConfig.coerce(config)
+        except ValueError as exc:
+            # said once, first: a LightningCLI prints the exception below a long parser traceback
+            log.error("atlas: AtlasCallback cannot start: %s", exc)
+            raise
         self.out_dir = out_dir
         self.extra_sinks = list(sinks or [])
         self.loss_key = loss_key
@@ -100,71 +127,107 @@ class AtlasCallback(pl.Callback):
         self._validations = 0
         self._restored: dict[str, Any] | None = None
         self._green: list[str] = []
+        self._loss_warned: set[str] = set()
+        self._checkpoint_step = 0
         self.last_record: dict[str, Any] | None = None
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(canary=self.canary.fingerprint[:16])
+        self.resume_counts: dict[str, int] | None = None
+        """What the last resume did: gates moved aside, caught up, re-delivered to trackers."""
 
     # --- set-up ------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        layers = find_routed_layers(pl_module)
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if self.gate is not None:
+            return
         target = _forward_target(pl_module)
         out_dir = Path(self.out_dir) if self.out_dir else Path(trainer.default_root_dir) / "atlas"
         sinks = [*tracker_sinks(trainer.loggers), *self.extra_sinks, LoggingSink(log)]
         self.gate = AtlasGate(
-            pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks, layers=layers,
+            pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks,
             forward=lambda _model, ids: default_forward(target, ids),
         )
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_step = int(checkpoint.get("global_step") or 0)
+        # checkpoints written before the state key was the class name keyed it by the canary
+        if self._restored is None:
+            for name, state in (checkpoint.get("callbacks") or {}).items():
+                if name.startswith("AtlasCallback{'canary'") and state:
+                    self._restored = state
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores callback state before on_fit_start but the loop state (global step)
         # only after it, so the restored gate state is applied here.
-        if self._restored is not None and self.gate is not None:
-            self._apply_restored(self._restored)
-            self._restored = None
-            self.gate.catch_up(int(trainer.global_step))
-        elif self.gate is not None and self.config.gate.baseline_at_start and self.gate.baseline_path is None:
-            self._gate(int(trainer.global_step), None)
-
-    def _apply_restored(self, state: dict[str, Any]) -> None:
         assert self.gate is not None
-        self.gate.load_state_dict(state["gate"], resume=True)
-        self._validations = int(state.get("validations", 0))
-        self._green = list(state.get("green_checkpoints", []))
+        if self._restored is not None and "gate" in self._restored:
+            state, self._restored = self._restored, None
+            self._validations = int(state.get("validations", 0))
+            self._green = list(state.get("green_checkpoints", []))
+            self.resume_counts = self.gate.resume(int(trainer.global_step), state["gate"])
+            return
+        self.gate.claim()
+        if self.config.gate.baseline_at_start and self.gate.baseline_path is None:
+            self._gate(trainer, None)
 
     # --- gates -------------------------------------------------------------------------------
-    def _loss(self, trainer: pl.Trainer) -> float | None:
-        keys = (self.loss_key,) if self.loss_key else LOSS_KEYS
-        for key in keys:
-            value = trainer.callback_metrics.get(key)
+    def _loss(self, trainer: pl.Trainer, stage: str) -> float | None:
+        keys = (self.loss_key,) if self.loss_key else TEST_LOSS_KEYS if stage == "test" else VALIDATION_LOSS_KEYS
+        metrics = trainer.callback_metrics
+        for name in keys:
+            value = metrics.get(name)
             if value is not None:
                 return float(value)
+        if stage not in self._loss_warned:
+            self._loss_warned.add(stage)
+            wanted = f"'{self.loss_key}'" if self.loss_key else "any of " + ", ".join(keys)
+            rank_zero_warn(
+                f"atlas: no {stage} loss for the gate: {wanted} is not among the logged metrics "
+                f"[{', '.join(sorted(metrics)) or 'none'}]; the gate's loss is left empty (no loss trend). "
+                "Pass AtlasCallback(loss_key=...) to name the metric to read.")
         return None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.gate is None:
             return
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            self._evaluate(trainer, "validate")
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         self._validations += 1
         if self._validations % self.config.gate.every_n_validations != 0:
             return
-        step = int(trainer.global_step)
-        record = self._gate(step, self._loss(trainer))
+        record = self._gate(trainer, self._loss(trainer, "validation"))
         if record is None:
             return
         if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
-            self._save_green(trainer, step)
+            self._save_green(trainer, int(trainer.global_step))
 
-    def _gate(self, step: int, loss: float | None) -> dict[str, Any] | None:
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.gate is not None:
+            self._evaluate(trainer, "test")
+
+    def _gate(self, trainer: pl.Trainer, loss: float | None) -> dict[str, Any] | None:
         assert self.gate is not None
+        step = int(trainer.global_step)
         try:
-            record = self.gate.run(step, loss=loss)
+            record = self.gate.run(step, loss=loss, log_step=logger_step(trainer))
         except Exception as exc:  # monitoring must never stop training
             self.gate.record_failure(step, exc)
             rank_zero_warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
             return None
         self.last_record = record
         return record
+
+    def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
+        assert self.gate is not None
+        # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step
+        step = int(trainer.global_step) or self._checkpoint_step
+        if self._restored is not None and "gate" in self._restored:
+            self.gate.load_state_dict(self._restored["gate"])
+        try:
+            self.last_record = self.gate.evaluate(step, self._loss(trainer, kind), kind=kind)
+        except Exception as exc:
+            rank_zero_warn(f"atlas {kind} gate at step {step} failed: {type(exc).__name__}: {exc}")
 
     def _save_green(self, trainer: pl.Trainer, step: int) -> None:
         """Geometry-aware checkpoint: keep the last N GREEN/clean states (paper 7.5)."""
@@ -196,6 +259,3 @@ class AtlasCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored = state_dict
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer

@@ -63,6 +63,11 @@ class MlflowSink:
     def run_id(self) -> str:
         return self._run_id if self._run_id is not None else self.logger.run_id
 
+    @property
+    def run_key(self) -> str:
+        """The MLflow run this sink writes to (the trackers' catch-up keys its ledger by it)."""
+        return self.run_id
+
     def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric, RunTag
 
@@ -75,7 +80,7 @@ class MlflowSink:
         if not batch:
             self.client.log_batch(self.run_id, tags=tags)
         self.client.log_text(self.run_id, json.dumps(record, indent=1, allow_nan=False),
-                             f"atlas/gates/step_{step:08d}.json")
+                             f"atlas/gates/step_{int(record['step']):08d}.json")
         layers = record.get("layers", [])
         self._c2_history.append((step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names

@@ -46,6 +46,11 @@ class WandbSink:
     def run(self) -> Any:
         return self._run if self._run is not None else self.logger.experiment
 
+    @property
+    def run_key(self) -> str:
+        """The W&B run this sink writes to (the trackers' catch-up keys its ledger by it)."""
+        return str(self.run.id)
+
     def _define(self) -> None:
         run = self.run
         run.define_metric(STEP_KEY)

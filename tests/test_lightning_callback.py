@@ -72,10 +72,13 @@ def test_resume_gate_is_a_baseline_and_no_record_is_duplicated_or_lost(tmp_path)
 
 
 def test_failing_gate_does_not_stop_training(tmp_path):
+    def broken_forward(model, ids):
+        raise RuntimeError("forward failed")  # any failure inside a gate
+
     class Broken(AtlasCallback):
         def on_fit_start(self, trainer, pl_module):
             super().on_fit_start(trainer, pl_module)
-            self.gate.canary = None  # any failure inside a gate
+            self.gate.forward = broken_forward
 
     train, val = tiny_data(20)
     with pytest.warns(UserWarning, match="atlas gate at step 0 failed"):
@@ -92,4 +95,4 @@ def test_model_without_routed_layers_is_a_clear_error(tmp_path):
             self.lin = torch.nn.Linear(4, 4)
 
     with pytest.raises(ValueError, match="no routed MoE layer found"):
-        AtlasCallback(canary=tiny_canary()).on_fit_start(_trainer(tmp_path, 1, []), Plain())
+        AtlasCallback(canary=tiny_canary()).setup(_trainer(tmp_path, 1, []), Plain(), "fit")

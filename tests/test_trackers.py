@@ -67,7 +67,11 @@ def test_wandb_offline_fit_is_read_back_with_wandb_records(tmp_path, recwarn):
     assert data["complete"]
     records = _records(tmp_path)
     atlas_rows = [row for row in data["history"] if "atlas/c2" in row]
-    assert [row["trainer/global_step"] for row in atlas_rows] == [r["step"] for r in records] == [0, 10, 20, 30]
+    assert [r["step"] for r in records] == [0, 10, 20, 30]
+    # gates land at the step Lightning logs val_loss at (its count of batches that stepped), not one after
+    val_steps = [row["trainer/global_step"] for row in data["history"] if "val_loss" in row]
+    assert [row["trainer/global_step"] for row in atlas_rows] == [r["log_step"] for r in records] == [0, *val_steps]
+    assert val_steps == [9, 19, 29]
     for row, rec in zip(atlas_rows, records):
         assert row["atlas/c2"] == pytest.approx(rec["c2"])
         assert row["atlas/status_code"] == {"BASELINE": 0, "GREEN": 1, "YELLOW": 2, "RED": 3}[rec["status"]]
@@ -158,7 +162,9 @@ def test_mlflow_server_fit_metrics_tags_artifacts(tmp_path, mlflow_server):
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run = client.get_run(logger.run_id)
     hist = client.get_metric_history(logger.run_id, "atlas/c2")
-    assert sorted((m.step, round(m.value, 9)) for m in hist) == [(r["step"], round(r["c2"], 9)) for r in records]
+    assert sorted((m.step, round(m.value, 9)) for m in hist) == [(r["log_step"], round(r["c2"], 9)) for r in records]
+    val_steps = sorted(m.step for m in client.get_metric_history(logger.run_id, "val_loss"))
+    assert val_steps == [r["log_step"] for r in records[1:]] == [9, 19, 29]
     assert run.data.tags["atlas.status"] == records[-1]["status"] and run.data.tags["atlas.stage"] == records[-1]["stage"]
     assert run.data.tags["atlas.alert.title"].startswith("atlas:")
     gates = {a.path for a in client.list_artifacts(logger.run_id, "atlas/gates")}
@@ -239,7 +245,7 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
     layer_keys = [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in
                   ("c2", "dead_experts", "router_entropy", "load_cv", "margin_mean", "ov_cf")]
     summary = ["atlas/c2", "atlas/c2_min", "atlas/c2_protected", "atlas/dead_experts", "atlas/dead_experts_max",
-               "atlas/experts_active", "atlas/min_entropy", "atlas/mean_entropy", "atlas/mean_cv", "atlas/max_cv",
+               "atlas/experts_active", "atlas/min_entropy", "atlas/mean_entropy", "atlas/mean_cv_pct", "atlas/max_cv_pct",
                "atlas/margin", "atlas/ov_cf", "atlas/transition_incompat", "atlas/canary_nll",
                "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code",
                "atlas/gate_seconds"]
@@ -247,5 +253,5 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
     drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin"]
                         + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")])
     assert mock.calls[0] == ("log_gate", (baseline_keys, 0))
-    assert mock.calls[1] == ("log_gate", (drift_keys, 10))
+    assert mock.calls[1] == ("log_gate", (drift_keys, 9))  # Lightning logs val_loss of step 10 at step 9
     assert mock.calls[-1] == ("finish", None)

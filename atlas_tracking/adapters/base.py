@@ -207,7 +207,7 @@ def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
         searched = ", ".join(sorted(_REGISTRY))
         raise NoRoutedLayersError(
             f"no routed MoE layer found in {type(model).__name__}: searched for modules of classes "
-            f"[{searched}]; register an adapter with atlas_tracking.adapters.register_family"
+            f"[{searched}]; register an adapter with atlas_tracking.register_family"
         )
     for i, layer in enumerate(layers):
         layer.ordinal = i
