@@ -8,11 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[all,dev]"
+	$(BIN)/python -m pip install -q -e ".[all,dev]" -c constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

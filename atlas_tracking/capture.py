@@ -17,6 +17,7 @@ import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
 from atlas_tracking.config import ReceiptsConfig
+from atlas_tracking.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.receipts.consistency import set_overlap
 from atlas_tracking.receipts.drift import (
     active_set_change,
@@ -29,12 +30,16 @@ from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loa
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
 from atlas_tracking.receipts.windows import COUNTERS
+from atlas_tracking.sharding import gathered
 
 _TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
 """Pooled means over a micro-batch's tokens, reduced together (one masked sum per micro-batch)."""
 _SUM_COUNT = (*_TOKEN_MEANS, "d_random_boundary")
 """Every pooled mean; ``d_random_boundary`` is taken at the boundary candidates, not every token."""
-_TOKEN_COUNTERS = tuple(c for c in COUNTERS if c != "dropped_routes")
+_TOKEN_COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
+"""Counters of token masks; the rest of ``COUNTERS`` count boundary candidates and routes."""
+_LAST_COUNTS = ("d_random_boundary.count", "no_random_competitor", "dropped_routes")
+"""The last rows of a layer's counts: candidates with a random competitor, those without one, dropped routes."""
 DRIFT_RECEIPTS = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
 _DRIFTCOUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
 BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
@@ -63,17 +68,13 @@ def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Te
 
 def random_competitor(
     scores: torch.Tensor, active: torch.Tensor, e_k1: torch.Tensor, draw: torch.Tensor,
-    local: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random-e2 kill-shot: a uniform draw among eligible experts outside R_t other than e_k1
-    (among the locally held experts when ``local`` is given).
+    """Random-e2 kill-shot: a uniform draw among all eligible experts outside R_t other than e_k1,
+    wherever they are held.
 
     ``draw`` holds integers uniform in ``[0, 2**HASH_BITS)``. Returns the expert and whether one existed.
     """
-    cand = torch.isfinite(scores)
-    if local is not None:
-        cand = cand & local
-    cand = cand.scatter(1, active, False).scatter(1, e_k1.view(-1, 1), False)
+    cand = torch.isfinite(scores).scatter(1, active, False).scatter(1, e_k1.view(-1, 1), False)
     n_cand = cand.sum(dim=1)
     j = (draw * n_cand) >> HASH_BITS
     pick = (cand.cumsum(dim=1) > j.view(-1, 1)).int().argmax(dim=1)
@@ -94,9 +95,26 @@ class Selection:
     """Random eligible competitor at each candidate (the random-e2 kill-shot)."""
     rand_ok: torch.Tensor
     """Candidate is in the boundary set and has a random competitor."""
+    no_rand: torch.Tensor
+    """Candidate is in the boundary set but no eligible expert is left to draw a random competitor from."""
     nonfinite: torch.Tensor
-    field_ok: torch.Tensor
-    """``[N]``: every expert a token's field receipts need is held by this process."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward call of a gate: canary windows ``[start, end)``, then padding up to ``size`` windows.
+
+    Every call of a gate has ``size`` windows on every rank (a short last batch is padded with the
+    canary's first windows, whose tokens are not measured), so layers whose dispatch needs the same
+    shape on every rank run. ``keep=False`` marks a filler call: a rank with fewer micro-batches than
+    another computes everything on windows ``[start, end)`` again, so that every collective (the
+    layer's dispatch, parameter gathers, field exchanges) is matched, and keeps nothing of it.
+    """
+
+    start: int
+    end: int
+    size: int
+    keep: bool = True
 
 
 @dataclass
@@ -154,7 +172,7 @@ class LayerAccumulator:
         self.sum_names = [name + ".sum" for name in _SUM_COUNT]
         self.count_names = [
             *(name + ".count" for name in _TOKEN_MEANS), *(f"bm{i}.sum" for i in range(len(self.deltas))),
-            *_TOKEN_COUNTERS, "d_random_boundary.count", "dropped_routes",
+            *_TOKEN_COUNTERS, *_LAST_COUNTS,
         ]
         self.sums = torch.zeros(len(self.sum_names), w, dtype=torch.float32, device=d)
         """``[S, W]`` per-window sums of every pooled mean, in ``sum_names`` order."""
@@ -215,10 +233,13 @@ class LayerCapture:
         self.anchor_slices = anchor_slices
         self.collect = collect
         self.base = base
+        self.evaluator: FieldEvaluator = field_evaluator(layer)
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.gamma0: torch.Tensor | None = None
+        """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
         if base is not None:
             acc.enable_drift()
-        self.windows: tuple[int, int] = (0, 0)
+        self.batch = MicroBatch(0, 0, 0)
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
         self._router_out: Any = None
@@ -261,6 +282,10 @@ class LayerCapture:
             self.layer.experts_forward = None
         self._x = self._g = self._router_out = self._stash = None
 
+    def _parameters(self) -> Any:
+        """The norm's and router's parameters gathered while the hooks read them outside their own forward."""
+        return gathered([self.layer.norm, self.layer.router])
+
     def _on_norm(self, module, inputs, output) -> None:
         self._x, self._g = inputs[0], output
 
@@ -271,7 +296,8 @@ class LayerCapture:
         if self._x is None or self._router_out is None:
             raise RuntimeError(f"{self.layer.name}: the norm or router hook did not fire before the MoE block")
         try:
-            self.compute(self._x, self._g, self._router_out, self.layer.block_output(output), self._stash)
+            with self._parameters():
+                self.compute(self._x, self._g, self._router_out, self.layer.block_output(output), self._stash)
         finally:
             self._x = self._g = self._router_out = self._stash = None
         self.calls += 1
@@ -281,29 +307,47 @@ class LayerCapture:
         """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active
         set, the adjacent and the random competitors (and the anchors) in as many calls as keep each
         within the forward's own expert rows; the active fields are reduced to the receipts and
-        combined with the model's weights (in fp32) as the layer output."""
-        with torch.no_grad():
+        combined with the model's weights (in fp32) as the layer output (zero on padding rows)."""
+        with torch.no_grad(), self._parameters():
             sel = self.select(self._router_out, hidden_states)
             x2 = self.window_major(self._x)
             zh = angular(x2.float())
             anchors = self.anchor_batches(x2, hidden_states.dtype)
-            fields = self.fields(sel, hidden_states, zh, anchors, top_k_weights)
+            fields = self.fields(sel, self.measured(hidden_states), zh, anchors, self.measured(top_k_weights))
             self._stash = (sel, anchors, fields)
-        return fields.out.to(hidden_states.dtype)
+            out = fields.out.to(hidden_states.dtype)
+            if out.shape[0] == hidden_states.shape[0]:
+                return out
+            full = hidden_states.new_zeros((hidden_states.shape[0], out.shape[-1]))
+            index = self.token_index(out.device)
+            if index is None:
+                full[: out.shape[0]] = out
+                return full
+            return full.index_copy_(0, index, out)
 
     # --- receipts ---------------------------------------------------------------------------
-    def token_order(self, device: torch.device) -> torch.Tensor | None:
-        """Native flat index of each window-major token (None when the layer is batch-first)."""
+    @property
+    def n_windows(self) -> int:
+        """Canary windows this forward call computes (padding excluded)."""
+        return self.batch.end - self.batch.start
+
+    def token_index(self, device: torch.device) -> torch.Tensor | None:
+        """Native flat index of each computed window-major token; None when they are the first rows in order
+        (batch-first layers: padding windows come last)."""
         if not self.layer.sequence_first:
             return None
-        bw, seq = self.windows[1] - self.windows[0], self.acc.window
-        return (torch.arange(seq, device=device).view(1, -1) * bw + torch.arange(bw, device=device).view(-1, 1)).reshape(-1)
+        seq = self.acc.window
+        return (torch.arange(seq, device=device).view(1, -1) * self.batch.size
+                + torch.arange(self.n_windows, device=device).view(-1, 1)).reshape(-1)
+
+    def measured(self, flat: torch.Tensor) -> torch.Tensor:
+        """The computed tokens of a flat native ``[size * L, ...]`` tensor, window-major."""
+        index = self.token_index(flat.device)
+        return flat[: self.n_windows * self.acc.window] if index is None else flat.index_select(0, index)
 
     def window_major(self, t: torch.Tensor) -> torch.Tensor:
         """A ``[B, L, d]`` (or ``[L, B, d]`` for sequence-first layers) tensor as window-major ``[N, d]``."""
-        if self.layer.sequence_first:
-            t = t.transpose(0, 1)
-        return t.reshape(-1, t.shape[-1])
+        return self.measured(t.reshape(-1, t.shape[-1]))
 
     def select(self, router_out: Any, g_native: torch.Tensor) -> Selection:
         """Routing, set margins, boundary set and competitors of one micro-batch, in window-major order.
@@ -311,39 +355,32 @@ class LayerCapture:
         ``g_native`` is the flattened gate input in the order the router saw it.
         """
         layer, cfg = self.layer, self.cfg
-        w0, w1 = self.windows
-        bw, seq = w1 - w0, self.acc.window
+        w0, bw, seq = self.batch.start, self.n_windows, self.acc.window
         routing = layer.routing(router_out, g_native)
         nonfinite = ~torch.isfinite(layer.router_logits(router_out, routing).float()).all(dim=-1)
-        order = self.token_order(g_native.device)
-        if order is not None:
-            routing = Routing(**{k: (v.index_select(0, order) if isinstance(v, torch.Tensor) else v)
-                                 for k, v in vars(routing).items()})
-            nonfinite = nonfinite.index_select(0, order)
+        routing = Routing(**{k: (self.measured(v) if isinstance(v, torch.Tensor) else v)
+                             for k, v in vars(routing).items()})
+        nonfinite = self.measured(nonfinite)
         sm = set_margin(routing.scores, routing.active)
         in_b, order = boundary_set_and_order(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
         # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
         local_pos = order[:, : max(1, boundary_count(seq, cfg.boundary_q))]
         b_pos = (local_pos + torch.arange(bw, device=g_native.device).view(-1, 1) * seq).reshape(-1)
         draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
-        local = layer.local_experts()
-        local = None if local is None else local.to(g_native.device)
         e_rand, has_rand = random_competitor(
             routing.scores.index_select(0, b_pos), routing.active.index_select(0, b_pos),
-            sm.e_k1.index_select(0, b_pos), draws, local)
-        field_ok = torch.ones_like(sm.valid)
-        if local is not None:
-            field_ok = local[routing.active].all(dim=1) & local[sm.e_k1]
+            sm.e_k1.index_select(0, b_pos), draws)
+        cand_in_b = in_b.reshape(-1).index_select(0, b_pos)
         return Selection(
             routing=routing, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
-            rand_ok=in_b.reshape(-1).index_select(0, b_pos) & has_rand, nonfinite=nonfinite, field_ok=field_ok,
+            rand_ok=cand_in_b & has_rand, no_rand=cand_in_b & ~has_rand, nonfinite=nonfinite,
         )
 
     def anchor_batches(self, x2: torch.Tensor, dtype: torch.dtype) -> list[AnchorBatch]:
         """The anchors this micro-batch holds, for the baseline being collected and for drift (in that order)."""
-        if self.anchor_slices is None or not (self.collect or self.base is not None):
+        if self.anchor_slices is None or not self.batch.keep or not (self.collect or self.base is not None):
             return []
-        a0, a1, loc = self.anchor_slices[self.windows]
+        a0, a1, loc = self.anchor_slices[(self.batch.start, self.batch.end)]
         if a1 <= a0:
             return []
         gamma, out = self.layer.gamma(), []
@@ -358,20 +395,20 @@ class LayerCapture:
             out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), self.base["R0"][a0:a1], collect=False))
         return out
 
-    def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """One call of the model's experts for groups of (rows ``[R, d]``, experts ``[R, m]``): each row through
-        each of its experts, written once into one buffer. Returns ``[R, m, d]`` per group."""
+    def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> list[torch.Tensor]:
+        """One call of the field evaluator for groups of (rows ``[R, d]``, experts ``[R, m]``): each row through
+        each of its experts, written once into one buffer. Returns ``[R, m, d]`` per group. With no groups the
+        call is empty (it keeps an expert-parallel group's exchanges in step); ``like`` gives width and dtype."""
+        if not groups:
+            self.evaluator(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
+            return []
         sizes = [e.numel() for _, e in groups]
         first = groups[0][0]
         rows_all = first.new_empty((sum(sizes), first.shape[-1]))
         for (rows, experts), part in zip(groups, torch.split(rows_all, sizes)):
             part.view(*experts.shape, -1).copy_(rows.unsqueeze(1).expand(*experts.shape, rows.shape[-1]))
         idx_all = torch.cat([e.reshape(-1) for _, e in groups])
-        local = self.layer.local_experts()
-        if local is not None:  # fields of experts held elsewhere are not evaluated (their tokens are masked)
-            local = local.to(idx_all.device)
-            idx_all = torch.where(local[idx_all], idx_all, int(torch.nonzero(local)[0]))
-        u = torch.split(self.layer.pair_outputs(rows_all, idx_all), sizes)
+        u = torch.split(self.evaluator(rows_all, idx_all), sizes)
         return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
 
     def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
@@ -379,12 +416,13 @@ class LayerCapture:
         """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
 
         Per token: the active set and the adjacent competitor; at the boundary candidates, the random
-        competitor; and each anchor batch's experts. A call of the model's experts holds at most
+        competitor; and each anchor batch's experts. A call of the field evaluator holds at most
         ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
         since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
         so narrow models make one call), and only per-token reductions outlive it: State2 comes from
         the Gram matrix of the tangent fields, the distances and the jump from three ``[N, d]`` fields
-        (tangent projection is linear).
+        (tangent projection is linear). The evaluator sets the number of calls (under expert
+        parallelism, the largest any rank of the group needs; the extra calls are empty).
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
@@ -399,9 +437,13 @@ class LayerCapture:
         c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
         v_k = torch.empty(n, d, device=dev)
         out = None if weights is None else torch.empty(n, d, device=dev)
-        for t0 in range(0, n, per_call):
-            t1 = min(n, t0 + per_call)
-            u_groups = self._pair_call([(g2[t0:t1], chosen[t0:t1]), *(extra if t1 == n else [])])
+        wanted = -(-n // per_call)
+        for call in range(self.evaluator.calls(wanted)):
+            if call >= wanted:
+                self._pair_call([], g2)
+                continue
+            t0, t1 = call * per_call, min(n, (call + 1) * per_call)
+            u_groups = self._pair_call([(g2[t0:t1], chosen[t0:t1]), *(extra if t1 == n else [])], g2)
             u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
                                                    cfg.eps_kappa)
@@ -413,7 +455,8 @@ class LayerCapture:
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
             if out is not None:
                 out[t0:t1] = torch.bmm(weights[t0:t1].float().unsqueeze(1), u[:, :k]).squeeze(1)
-        u_rand, *u_anchors = u_groups[1:]
+            if t1 == n:
+                u_rand, *u_anchors = u_groups[1:]
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
         return FieldReceipts(
             c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
@@ -427,20 +470,23 @@ class LayerCapture:
                 stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> None:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
         layer, acc = self.layer, self.acc
-        w0, w1 = self.windows
+        w0, w1 = self.batch.start, self.batch.end
         bw, seq = w1 - w0, acc.window
         d = x.shape[-1]
+        if self.gamma0 is None:
+            self.gamma0 = layer.gamma().detach().float().cpu()
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
-        win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
             zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
             anchors = self.anchor_batches(x2, g2.dtype)
             stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
+        if not self.batch.keep:
+            return
         sel, anchors, fr = stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
-        valid, ok = sm.valid, sel.field_ok
-        c2_vals, c2_ok, d_adj, d_rand, jump = fr.c2, fr.c2_ok, fr.d_adj, fr.d_rand, fr.jump
+        valid = sm.valid
+        win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         y_post = layer.norm.forward(x2 + out2)
@@ -449,20 +495,21 @@ class LayerCapture:
         # every per-window sum and count of the micro-batch in two masked reductions
         rows, arr = slice(w0, w1), acc.arrays
         masks = torch.stack([
-            valid, c2_ok & ok, torch.ones_like(valid), in_b & ok, valid & ~in_b & ok,  # _TOKEN_MEANS
+            valid, fr.c2_ok, torch.ones_like(valid), in_b, valid & ~in_b,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
-            ~valid, (sm.margin < 0) & valid, sel.nonfinite, ~ok,  # _TOKEN_COUNTERS
+            ~valid, (sm.margin < 0) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
         ])
         n_means = len(_TOKEN_MEANS)
-        values = torch.stack([sm.margin, c2_vals, ov, d_adj, d_adj]).float()
+        values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()
         acc.sums[:n_means, rows] += torch.where(masks[:n_means], values, 0.0).view(n_means, bw, seq).sum(-1)
         acc.counts[: len(masks), rows] += masks.view(len(masks), bw, seq).sum(-1)
-        rand_ok = (sel.rand_ok & ok.index_select(0, sel.b_pos)).view(bw, -1)  # candidates are window-major
-        acc.sums[n_means, rows] += torch.where(rand_ok, d_rand.view(bw, -1), 0.0).sum(1)
-        acc.counts[-2, rows] += rand_ok.sum(1)
+        rand_ok = sel.rand_ok.view(bw, -1)  # candidates are window-major
+        acc.sums[n_means, rows] += torch.where(rand_ok, fr.d_rand.view(bw, -1), 0.0).sum(1)
+        acc.counts[-3, rows] += rand_ok.sum(1)
+        acc.counts[-2, rows] += sel.no_rand.view(bw, -1).sum(1)
         if routing.dropped is not None:
             acc.counts[-1, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
-        arr["jump"][rows] = torch.where(in_b & ok, jump, float("nan")).view(bw, seq)
+        arr["jump"][rows] = torch.where(in_b, fr.jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
@@ -491,7 +538,7 @@ class LayerCapture:
             js_divergence(base["p0"], a.routing.probs),
             content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
         ]).float()
-        win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.windows[0]
+        win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.batch.start
         moved = (changed > 0).long()
         counts = torch.stack([*(torch.ones_like(moved),) * len(DRIFT_RECEIPTS), moved, moved * base["b0"].long()])
         self.acc.drift_sums.index_add_(1, win, values)

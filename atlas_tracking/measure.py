@@ -34,6 +34,7 @@ from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.capture import (
     LayerAccumulator,
     LayerCapture,
+    MicroBatch,
     collected_anchors,
     concat_anchors,
     host_per_window,
@@ -42,6 +43,7 @@ from atlas_tracking.capture import (
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
+from atlas_tracking.sharding import model_class_name, reshard
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
 """(model, input_ids [B, L]) -> next-token logits [B, L, V], or None when there is no LM head."""
@@ -49,6 +51,10 @@ ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
 
 class RouterLogitsError(FloatingPointError):
     """Router logits held NaN or Inf during a gate."""
+
+
+class RankDisagreementError(ValueError):
+    """The processes of a distributed gate were not given the same canary or micro-batch size."""
 
 
 def default_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -103,6 +109,48 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+def micro_batches(canary: Canary, rank: int, world_size: int, batch_windows: int) -> list[MicroBatch]:
+    """This rank's forward calls of a gate: its share of the canary's micro-batches (round-robin), then
+    filler calls up to the largest share, so every rank makes the same number of calls whatever its share.
+
+    Every call has ``min(batch_windows, n_windows)`` windows: the micro-batches are those of every world
+    size, a short last one is padded, and a filler computes the first windows again and keeps nothing.
+
+    >>> import numpy as np
+    >>> c = Canary(windows=np.zeros((5, 4), dtype=np.int64))
+    >>> [(b.start, b.end, b.size, b.keep) for b in micro_batches(c, rank=1, world_size=2, batch_windows=2)]
+    [(2, 4, 2, True), (0, 2, 2, False)]
+    """
+    size = min(batch_windows, canary.n_windows)
+    own = canary.shard(rank, world_size, size)
+    calls = -(-len(canary.batches(size)) // world_size)
+    return ([MicroBatch(start, end, size) for start, end in own]
+            + [MicroBatch(0, size, size, keep=False)] * (calls - len(own)))
+
+
+def _forward_ids(canary: Canary, batch: MicroBatch) -> np.ndarray:
+    """The token ids of one forward call: its windows, then the canary's first windows as padding."""
+    ids = canary.windows[batch.start : batch.end]
+    pad = batch.size - len(ids)
+    return np.concatenate([ids, canary.windows[:pad]]) if pad else ids
+
+
+def check_ranks_agree(canary: Canary, config: AtlasConfig, world_size: int) -> None:
+    """Every process of a distributed gate holds the same canary and micro-batch size; otherwise every
+    process raises the same :class:`RankDisagreementError` (before any forward call, so nothing hangs)."""
+    mine = {"canary": canary.fingerprint, "batch_windows": config.receipts.batch_windows}
+    everyone: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    for key in mine:
+        values = [o[key] for o in everyone]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {str(v)[:12]}" for r, v in enumerate(values))
+            raise RankDisagreementError(
+                f"the processes of this gate disagree on the {key.replace('_', ' ')} ({shown}); every rank "
+                "(every rank of an expert-parallel group above all) must measure the same canary with the same "
+                "receipts.batch_windows")
+
+
 def measure_partial(
     model: nn.Module,
     canary: Canary,
@@ -123,9 +171,10 @@ def measure_partial(
     """
     rcfg = config.receipts
     device = _model_device(model)
-    batches = canary.shard(rank, world_size, rcfg.batch_windows)
+    batches = micro_batches(canary, rank, world_size, rcfg.batch_windows)
+    kept = [(b.start, b.end) for b in batches if b.keep]
     captures = []
-    slices = anchors.device_slices(batches, device) if anchors is not None else None
+    slices = anchors.device_slices(kept, device) if anchors is not None else None
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_tensors(i, device) if baseline is not None else None
@@ -133,20 +182,23 @@ def measure_partial(
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     owned = np.zeros(canary.n_windows, dtype=bool)
-    shown = _Progress(sum(e - s for s, e in batches), rcfg.progress, progress)
+    shown = _Progress(sum(e - s for s, e in kept), rcfg.progress, progress)
     was_training = model.training
     model.eval()
     try:
         for cap in captures:
             cap.attach()
         with torch.no_grad():
-            for start, end in batches:
+            for batch in batches:
                 for cap in captures:
-                    cap.windows = (start, end)
-                ids = torch.from_numpy(canary.windows[start:end]).to(device)
+                    cap.batch = batch
+                ids = torch.from_numpy(_forward_ids(canary, batch)).to(device)
                 logits = forward(model, ids)
+                if not batch.keep:
+                    continue
+                start, end = batch.start, batch.end
                 if logits is not None:
-                    s, c = window_nll(logits, ids)
+                    s, c = window_nll(logits[: end - start], ids[: end - start])
                     nll_sum[start:end], nll_cnt[start:end] = s, c
                 owned[start:end] = True
                 shown.step(end - start)
@@ -154,6 +206,7 @@ def measure_partial(
         for cap in captures:
             cap.detach()
         model.train(was_training)
+        reshard(model)
     for cap in captures:
         if cap.calls != len(batches):
             raise RuntimeError(
@@ -166,6 +219,7 @@ def measure_partial(
         "nll_sum": nll_sum.cpu().numpy(),
         "nll_count": nll_cnt.cpu().numpy(),
         "anchors": collected_anchors(captures) if collect else None,
+        "gamma": [cap.gamma0 for cap in captures],
     }
 
 
@@ -205,8 +259,8 @@ def build_report(
     for p, own in zip(partials, owned):
         nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
-    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
-             **({"scope": layer.scope()} if layer.scope() else {})} for layer in layers]
+    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected}
+            for layer in layers]
     per_window = {
         "canary_nll": {"sum": nll_sum, "count": nll_cnt},
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],
@@ -219,9 +273,9 @@ def build_report(
         exact.append({"margin_p10": q10, "margin_p50": q50})
     layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, config.to_dict()["receipts"], exact)
     model_info = {
-        "class": type(model).__name__,
+        "class": model_class_name(model),
         "families": sorted({layer.family for layer in layers}),
-        "fingerprint": model_fingerprint(type(model).__name__, meta),
+        "fingerprint": model_fingerprint(model_class_name(model), meta),
         "deterministic_routing": all(layer.deterministic_routing for layer in layers),
     }
     canary_info = {
@@ -241,9 +295,9 @@ def build_report(
     )
     if partials[0]["anchors"] is not None and anchors is not None:
         layer_anchors = []
-        for i, layer in enumerate(layers):
+        for i in range(len(layers)):
             tensors = concat_anchors([part for p in partials for part in p["anchors"][i]])
-            tensors["gamma0"] = layer.gamma().detach().cpu()
+            tensors["gamma0"] = partials[0]["gamma"][i]
             layer_anchors.append(tensors)
         report.anchors = {
             "layers": layer_anchors,
@@ -270,10 +324,14 @@ def measure(
 ) -> GateReport:
     """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
 
-    Under ``torch.distributed`` every rank measures an even share of the canary's micro-batches
-    and the per-window arrays are gathered, so every rank returns the same report. ``rank`` and
-    ``world_size`` may be given to measure one shard without a process group (the partial is then
-    only this shard; see :func:`measure_partial` and :func:`build_report` to merge shards).
+    Under ``torch.distributed`` it is called on every rank: the ranks first check that they hold the
+    same canary (:class:`RankDisagreementError` on every rank otherwise), each measures its share of
+    the canary's micro-batches with as many forward calls as every other rank (:func:`micro_batches`),
+    and the per-window arrays are gathered, so every rank returns the same report. Expert-parallel
+    layers exchange field requests over their expert-parallel group (``atlas_tracking.fields``);
+    FSDP2 modules are resharded after the gate. ``rank`` and ``world_size`` may be given to measure
+    one shard without a process group (the partial is then only this shard; see
+    :func:`measure_partial` and :func:`build_report` to merge shards).
 
     Without a ``baseline`` the gate keeps the anchor tensors a :class:`~atlas_tracking.Baseline`
     is made of (``keep_anchors`` overrides). With one, drift, paired deltas and lifecycle
@@ -284,7 +342,7 @@ def measure(
     layers = layers if layers is not None else find_routed_layers(model)
     check_canary_fits(model, canary)
     if baseline is not None:
-        baseline.check_compatible([lay.describe() for lay in layers], type(model).__name__, canary.fingerprint)
+        baseline.check_compatible([lay.describe() for lay in layers], model_class_name(model), canary.fingerprint)
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)
     else:
         plan = AnchorPlan.select(canary, cfg.receipts.anchors, cfg.receipts.seed)
@@ -292,6 +350,8 @@ def measure(
     d_rank, d_world = _dist_rank_world()
     rank = d_rank if rank is None else rank
     world = d_world if world_size is None else world_size
+    if world_size is None and d_world > 1:
+        check_ranks_agree(canary, cfg, d_world)
     partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress, plan, collect, baseline)
     partials = _gather(partial, d_world) if world_size is None else [partial]
     report = build_report(partials, layers, canary, cfg, model, step, plan)

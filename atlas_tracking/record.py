@@ -48,7 +48,7 @@ DRIFT_METRICS = ("handoff_margin", "refine_margin")
 LAYER_FIELDS = (
     "c2", "dead_experts", "experts_active", "router_entropy", "load_cv", "pi_min", "margin_mean",
     "ov_cf", "v2_c1", "v2_c2", "v2_c1_pass", "v2_c2_pass", "transition_incompat", "boundary_mass@0.01",
-    "dropped_routes", "nonlocal_tokens",
+    "dropped_routes", "no_random_competitor",
 )
 
 

@@ -9,7 +9,9 @@ recomputes its selection scores from the router input exactly as the router rank
 from the layer's own experts module through DeepSpeed's own row permutation. During a gate the
 layer's ``tokens_per_expert`` load statistic is restored afterwards, so a gate leaves no trace in
 load balancing. Layers that apply the scores before the experts (``score_apply="pre"``) are refused:
-their output is not a weighted sum of unweighted expert fields.
+their output is not a weighted sum of unweighted expert fields. With ``ep_size > 1`` the layer's
+``ep_group`` carries the gate's field exchange (AutoEP's uniform placement: rank ``r`` holds experts
+``r * num_local_experts ..``).
 """
 
 from __future__ import annotations
@@ -87,23 +89,15 @@ class AutoEPLayer(RoutedLayer):
         g = g.reshape(-1, g.shape[-1])
         return self.routing(self.router.forward(g, self.block.expert_bias), g)
 
-    def local_experts(self) -> torch.Tensor | None:
+    def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
+        """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group
+        (AutoEP's uniform placement)."""
         if int(self.block.ep_size) == 1:
             return None
-        n_local = int(self.block.num_local_experts)
-        first = int(self.block.ep_rank) * n_local
-        mask = torch.zeros(self.num_experts, dtype=torch.bool)
-        mask[first : first + n_local] = True
-        return mask
-
-    def scope(self) -> str | None:
-        if int(self.block.ep_size) == 1:
-            return None
-        n_local, rank = int(self.block.num_local_experts), int(self.block.ep_rank)
-        return (f"expert parallel: this rank holds experts {rank * n_local}-{(rank + 1) * n_local - 1} of "
-                f"{self.num_experts}; C2, the V2 axes and transition incompatibility aggregate only tokens whose "
-                "active set and adjacent competitor are local (others counted in nonlocal_tokens); occupancy and "
-                "State1 use the replicated router")
+        if self.block.ep_group is None:
+            raise RuntimeError(f"{self.name}: ep_size={self.block.ep_size} but the layer has no expert-parallel "
+                               "group yet (set by set_deepspeed_parallelism / deepspeed.initialize)")
+        return self.block.ep_group, torch.arange(self.num_experts) // int(self.block.num_local_experts)
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Rows grouped by (local) expert with DeepSpeed's own permutation, one call of ``GroupedExperts``."""

@@ -6,7 +6,10 @@ from the gate's sparse routes: routes a capacity limit dropped (index -1) keep t
 top-k choice in the active set with weight 0, and are counted as ``dropped_routes``. During a
 gate the top-2 Gumbel sampling of the second expert is switched off (deterministic routing) and
 random token selection draws from a fixed seed. A residual MoE (``use_residual``) contributes
-its ``mlp`` through the ``coefficient`` mix as the transport baseline.
+its ``mlp`` through the ``coefficient`` mix as the transport baseline. With ``ep_size > 1`` rank ``r``
+of the layer's expert-parallel group holds experts ``r * n_local .. (r + 1) * n_local - 1``
+(``expert_placement``); a gate asks the owning rank for the fields of experts held elsewhere
+(``atlas_tracking.fields``). ``zero3_gathered`` gathers ZeRO-3 partitions for ``atlas_tracking.sharding``.
 
 DeepSpeed has no norm inside the MoE layer: the pre-norm is found in the parent block (one
 RMSNorm/LayerNorm-like child, or a common name) or given with ``norms={"blocks.0.moe": block.norm2}``.
@@ -109,36 +112,39 @@ class DeepSpeedMoELayer(RoutedLayer):
         return routing.scores
 
     def route(self, g: torch.Tensor) -> Routing:
+        """The ``TopKGate``'s choice at any gate inputs, computed from its logits without calling it: its
+        capacity limit belongs to a dispatched micro-batch, not to re-routed states, and with
+        ``drop_tokens=False`` it sizes the capacity by an ``all_reduce`` over the expert-parallel group,
+        which only some ranks would reach. The choice equals the gate's (top-k of the logits, the second
+        expert not sampled during a gate); weights as it combines them (renormalised over the k for k > 1)."""
         g = g.reshape(-1, g.shape[-1])
-        return self.routing(self.router.forward(g, None, True), g)
+        logits = F.linear(g.float(), self.router.wg.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        active = torch.topk(logits, self.top_k, dim=1).indices
+        top = probs.gather(1, active)
+        rho = top / top.sum(dim=1, keepdim=True)
+        weights = top if self.top_k == 1 else rho
+        coef = self._coefficients(g)
+        if coef is not None:
+            weights = weights * coef[:, :1]
+        return Routing(scores=logits, probs=probs, active=active, weights=weights, rho=rho)
 
-    def local_experts(self) -> torch.Tensor | None:
-        ep_size = int(getattr(self.block, "ep_size", 1))
+    def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
+        """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group."""
+        ep_size = int(getattr(self.moe, "ep_size", 1))
         if ep_size == 1:
             return None
-        n_local = self.num_experts // ep_size
-        rank = torch.distributed.get_rank(group=self.moe.ep_group) if self.moe.ep_group is not None else 0
-        mask = torch.zeros(self.num_experts, dtype=torch.bool)
-        mask[rank * n_local : (rank + 1) * n_local] = True
-        return mask
-
-    def scope(self) -> str | None:
-        local = self.local_experts()
-        if local is None:
-            return None
-        ids = torch.nonzero(local).flatten().tolist()
-        return (f"expert parallel: this process holds experts {ids[0]}-{ids[-1]} of {self.num_experts}; C2, the V2 "
-                "axes and transition incompatibility aggregate only tokens whose active set and adjacent competitor "
-                "are all local (others counted in nonlocal_tokens), and the random competitor is drawn among local "
-                "experts; occupancy and State1 use the replicated router and cover every expert")
+        if self.moe.ep_group is None:
+            raise RuntimeError(f"{self.name}: ep_size={ep_size} but the layer has no expert-parallel group yet; "
+                               "measure after deepspeed.initialize (which creates it)")
+        return self.moe.ep_group, torch.arange(self.num_experts) // int(self.moe.num_local_experts)
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """One local expert module at a time over the rows routed to it (one GEMM chain per expert)."""
+        """One expert module of this process at a time over the rows asking for it (one GEMM chain per expert)."""
         local = self.moe.experts.deepspeed_experts
         first = 0
-        mask = self.local_experts()
-        if mask is not None:
-            first = int(torch.nonzero(mask)[0])
+        if int(getattr(self.moe, "ep_size", 1)) > 1:
+            first = torch.distributed.get_rank(group=self.moe.ep_group) * len(local)
         out = None
         for j, expert in enumerate(local):
             sel = torch.nonzero(experts == first + j).flatten()
@@ -203,3 +209,10 @@ def deepspeed_layers(model: nn.Module, norms: dict[str, nn.Module] | None = None
     for i, layer in enumerate(layers):
         layer.ordinal = i
     return layers
+
+
+def zero3_gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """ZeRO-3 partitioned ``params`` gathered inside the block and partitioned again on exit (read-only)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -5,9 +5,10 @@ or after top-k, sigmoid with expert bias, group-limited top-k, scaling factor) a
 the atlas needs: selection scores with ineligible experts at ``-inf``, the full routing
 distribution, the active set and the model's combine weights. ``MegatronMoELayer`` reads a layer
 ``decoder.layers.i`` (``pre_mlp_layernorm`` -> ``mlp`` with ``.router``, ``.experts`` as
-``SequentialMLP`` or the legacy grouped-GEMM ``GroupedMLP``, optional ``.shared_experts``), handles sequence-first hidden states, zero-centred gamma norms, and
-expert parallelism (local-to-global expert ids; field receipts restricted to local experts, with
-a statement of what was aggregated). Megatron-Core is not imported here: layers are matched by
+``SequentialMLP`` or the legacy grouped-GEMM ``GroupedMLP``, optional ``.shared_experts``), handles
+sequence-first hidden states, zero-centred gamma norms, and expert parallelism (the block's
+``ep_group`` and ``local_expert_indices``: a gate asks the owning rank for fields of experts held
+elsewhere, see ``atlas_tracking.fields``). Megatron-Core is not imported here: layers are matched by
 class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never called.
 """
 
@@ -144,21 +145,13 @@ class MegatronMoELayer(RoutedLayer):
         g = g.reshape(-1, g.shape[-1])
         return megatron_selection(self.logits(g), RouterSpec.from_router(self.router))
 
-    def local_experts(self) -> torch.Tensor | None:
-        ids = getattr(self.block, "local_expert_indices", None)
-        if ids is None or len(ids) == self.num_experts:
+    def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
+        """With expert parallelism, expert ``e`` is held by rank ``e // num_local_experts`` of the block's
+        ``ep_group`` (Megatron's ``local_expert_indices`` offset)."""
+        n_local = int(getattr(self.block, "num_local_experts", self.num_experts))
+        if n_local == self.num_experts:
             return None
-        mask = torch.zeros(self.num_experts, dtype=torch.bool)
-        mask[list(ids)] = True
-        return mask
-
-    def scope(self) -> str | None:
-        ids = getattr(self.block, "local_expert_indices", None)
-        if ids is None or len(ids) == self.num_experts:
-            return None
-        return (f"expert parallel: this rank holds experts {min(ids)}-{max(ids)} of {self.num_experts}; C2, the V2 axes "
-                "and transition incompatibility aggregate only tokens whose active set and adjacent competitor are "
-                "local (others counted in nonlocal_tokens); occupancy and State1 use the replicated router")
+        return self.block.ep_group, torch.arange(self.num_experts) // n_local
 
     def _expert_fn(self) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """``(local expert index, rows) -> unweighted outputs`` for the block's experts module.
@@ -198,7 +191,7 @@ class MegatronMoELayer(RoutedLayer):
         """Unweighted output of global expert ``experts[i]`` at ``rows[i]``, one batched call per local expert.
 
         Rows are grouped by expert and mapped to local experts through the block's
-        ``local_expert_indices``; rows whose expert is not local stay zero.
+        ``local_expert_indices`` (every expert asked for is held by this process).
         """
         run = self._expert_fn()
         ids = list(getattr(self.block, "local_expert_indices", range(self.experts.num_local_experts)))

@@ -1,4 +1,6 @@
-"""DDP on 2 CPU processes (gloo): every rank measures its share of the canary; receipts equal 1 process."""
+"""DDP on 2 CPU processes (gloo): every rank measures its share of the canary; receipts equal 1 process within the
+stated tolerances (README, "Tolerances across world sizes"): the batch layout and thread count differ, so the floats
+differ in their last digits."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 from atlas_tracking.integrations.lightning import AtlasCallback
 from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
+from receipt_tolerance import assert_within_tolerance
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -27,13 +30,11 @@ def _fit(root, devices: int) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_ddp_receipts_equal_one_process(tmp_path):
+def test_two_process_ddp_receipts_agree_with_one_process(tmp_path):
     _fit(tmp_path / "one", 1)
     _fit(tmp_path / "two", 2)
     one = json.loads((tmp_path / "one" / "atlas" / "receipts" / "step_00000000.json").read_text())
     two = json.loads((tmp_path / "two" / "atlas" / "receipts" / "step_00000000.json").read_text())
-    assert one["layers"] == two["layers"]
-    assert one["per_window"] == two["per_window"]
-    assert one["summary"] == two["summary"]
+    assert_within_tolerance(one, two)
     gates = (tmp_path / "two" / "atlas" / "gates.jsonl").read_text().splitlines()
     assert [json.loads(g)["step"] for g in gates] == [0, 10]  # rank zero writes each gate once

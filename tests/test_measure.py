@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from families import family_model
+from receipt_tolerance import assert_within_tolerance
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters import find_routed_layers
@@ -122,12 +123,12 @@ def test_bit_identical_json_twice(model, canary):
     assert measure(model, canary, config=CFG).to_json() == measure(model, canary, config=CFG).to_json()
 
 
-def test_two_simulated_ranks_equal_one(model, canary):
+def test_two_simulated_ranks_agree_with_one(model, canary):
     layers = find_routed_layers(model)
     whole = measure(model, canary, config=CFG, keep_anchors=False)
     parts = [measure_partial(model, canary, CFG, layers, rank, 2) for rank in (0, 1)]
     merged = build_report(parts, layers, canary, CFG, model, None)
-    assert merged.to_json() == whole.to_json()
+    assert_within_tolerance(json.loads(whole.to_json()), json.loads(merged.to_json()))  # across world sizes
 
 
 def test_verify_accepts_and_then_catches_tampering(model, canary):

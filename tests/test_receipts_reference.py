@@ -233,18 +233,26 @@ def test_bootstrap_helpers_reference():
     assert abs(dlo - np.quantile(dreps, 0.05)) < 1e-12 and abs(dhi - np.quantile(dreps, 0.95)) < 1e-12
 
 
-def test_median_receipt_reference():
-    per_window = [[0.5, 0.1], [0.9], [], [0.3, 0.7, 0.2]]
-    idx = stats.bootstrap_indices(4, 300, seed=1)
+@pytest.mark.parametrize("per_window", [
+    [[0.5, 0.1], [0.9], [], [0.3, 0.7, 0.2]],  # 6 values: the median is the mean of the two middle ones
+    [[0.5, 0.1], [0.9], [0.4], [0.3, 0.7, 0.2]],  # 7 values
+    [[0.25, 0.25], [0.75], [0.1, 0.9, 0.5, 0.6]],
+])
+def test_median_receipt_reference(per_window):
+    """The usual median (mean of the two middle order statistics), for the estimate and every resample."""
+    idx = stats.bootstrap_indices(len(per_window), 300, seed=1)
     est, ci = windows.median_receipt(per_window, idx, 0.95)
     flat = sorted(v for w in per_window for v in w)
-    assert est == flat[math.ceil(len(flat) / 2) - 1]
+    half = len(flat) // 2
+    assert est == (flat[half] if len(flat) % 2 else (flat[half - 1] + flat[half]) / 2)
     reps = []
     for row in idx:
         vals = sorted(v for i in row for v in per_window[i])
         if vals:
-            reps.append(vals[math.ceil(len(vals) / 2) - 1])
-    assert ci == [float(np.quantile(reps, 0.025)), float(np.quantile(reps, 0.975))]
+            h = len(vals) // 2
+            reps.append(vals[h] if len(vals) % 2 else (vals[h - 1] + vals[h]) / 2)
+    assert abs(ci[0] - float(np.quantile(reps, 0.025))) < 1e-12
+    assert abs(ci[1] - float(np.quantile(reps, 0.975))) < 1e-12
 
 
 @pytest.mark.parametrize("mu_shift,delta", [(0.0, 0.05), (0.3, 0.1), (-0.5, 0.02)])

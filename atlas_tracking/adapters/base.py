@@ -78,7 +78,8 @@ class RoutedLayer:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.gamma().shape[0])
+        shape = getattr(self.norm.weight, "ds_shape", None)  # a ZeRO-3 partition keeps its full shape there
+        return int(shape[0]) if shape is not None else int(self.gamma().shape[0])
 
     @property
     def norm_eps(self) -> float:
@@ -109,7 +110,8 @@ class RoutedLayer:
     """The experts' own forward while a gate stands in for it (set by the capture); None: call the module."""
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Raw (unweighted) output of expert ``experts[i]`` at gate input ``rows[i]``: ``[M, d]``.
+        """Raw (unweighted) output of expert ``experts[i]`` (a global id held by this process) at gate input
+        ``rows[i]``: ``[M, d]``.
 
         Uses the model's own experts module with one (token, expert) pair per row and unit
         weight, so the arithmetic is the model's own (whatever experts implementation it uses).
@@ -124,12 +126,10 @@ class RoutedLayer:
         rows = g.reshape(n, 1, -1).expand(n, m, g.shape[-1]).reshape(n * m, -1)
         return self.pair_outputs(rows, experts.reshape(-1)).view(n, m, -1)
 
-    def local_experts(self) -> torch.Tensor | None:
-        """Bool mask ``[E]`` of experts whose weights this process holds, or None when all are local."""
-        return None
-
-    def scope(self) -> str | None:
-        """A statement of what the field receipts aggregate over, when not every expert is local."""
+    def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
+        """``(group, owner)`` when the layer's experts are spread over an expert-parallel process group:
+        ``owner[e]`` is the rank within ``group`` that holds expert ``e`` (``pair_outputs`` then answers for
+        the experts of this process only). None when every expert is held by this process."""
         return None
 
     def gate_context(self) -> contextlib.AbstractContextManager:

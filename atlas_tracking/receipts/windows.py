@@ -32,10 +32,13 @@ RATIO_RECEIPTS: tuple[str, ...] = (
 )
 """Receipts that are pooled means: ``sum(sum_w) / sum(count_w)``, each with a window-bootstrap CI."""
 
-COUNTERS: tuple[str, ...] = ("excluded_tokens", "rank_violations", "nonfinite_logits", "dropped_routes", "nonlocal_tokens")
-"""Per-window token counts reported as layer totals: no eligible competitor, a model choice that is not a
-top-k of the selection scores, non-finite router logits, capacity-dropped routes, tokens whose fields live
-in another expert-parallel process."""
+COUNTERS: tuple[str, ...] = (
+    "excluded_tokens", "rank_violations", "nonfinite_logits", "no_random_competitor", "dropped_routes",
+)
+"""Per-window counts reported as layer totals: tokens with no eligible competitor (out of State1 and V2), model
+choices that are not a top-k of the selection scores, tokens with non-finite router logits, boundary tokens
+with no eligible expert left for the random competitor (out of ``d_random_boundary`` and so of V2 C2), and
+capacity-dropped routes."""
 
 V2_AXES: dict[str, tuple[str, str]] = {
     "v2_c1": ("d_adjacent_boundary", "d_adjacent_interior"),
@@ -49,7 +52,6 @@ __all__ = [
     "V2_AXES",
     "bootstrap_indices",
     "layer_receipts",
-    "lower_median",
     "median_receipt",
     "ratio_receipts",
     "summary",
@@ -75,9 +77,10 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) ->
     return values, cis
 
 
-def _weighted_median_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each resample (row of ``mult``), the first sorted position whose cumulative weight reaches half
-    the total, where value i weighs ``mult[b, window_of[i]]`` (float multiplicities); and the totals.
+def _weighted_positions(window_of: np.ndarray, mult: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each resample (row of ``mult``), the first sorted position whose cumulative weight ``c`` has
+    ``2 c >= total + offset``, where value i weighs ``mult[b, window_of[i]]`` (whole-number multiplicities);
+    and the totals. ``offset`` 0 finds the lower middle order statistic, 1 the upper one.
 
     Exact, in two passes that keep the working set to ``O(B sqrt(n) + W sqrt(n))``: cumulative weights at
     block ends (one matrix product) find each resample's block, then one block is scanned per resample.
@@ -89,29 +92,27 @@ def _weighted_median_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple
     counts_to_end = np.cumsum(per_block.reshape(n_blocks, mult.shape[1]), axis=0)
     cum_end = mult @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
     total = cum_end[:, -1]
-    block = np.argmax(2 * cum_end >= total[:, None], axis=1)
+    target = total + offset
+    block = np.argmax(2 * cum_end >= target[:, None], axis=1)
     before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
     pos = block[:, None] * blk + np.arange(blk)
     inside = pos < n
     pos = np.minimum(pos, n - 1)
     weights = np.where(inside, mult[np.arange(n_boot)[:, None], window_of[pos]], 0)
-    within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= total[:, None], axis=1)
+    within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= target[:, None], axis=1)
     return block * blk + within, total
 
 
-def lower_median(values: np.ndarray) -> float:
-    """The smallest value whose cumulative count reaches half the total (NaN for no values)."""
-    v = np.sort(np.asarray(values, dtype=np.float64))
-    if v.size == 0:
-        return math.nan
-    return float(v[math.ceil(v.size / 2) - 1])
-
-
 def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level: float) -> tuple[float, list]:
-    """Lower median of values pooled over windows, with a window-bootstrap percentile CI.
+    """Median of values pooled over windows (the mean of the two middle order statistics when the count
+    is even), with a window-bootstrap percentile CI.
 
-    A resample weights each value by how often its window was drawn; its median is the first
-    sorted value whose cumulative weight reaches half the total, the same rule as the estimate.
+    A resample weights each value by how often its window was drawn; its median is the same usual median
+    of the resampled values, taken from the two middle positions of the cumulative weight.
+
+    >>> import numpy as np
+    >>> median_receipt([[0.4, 0.1], [0.3, 0.2]], bootstrap_indices(2, 20, 0), 0.95)[0]
+    0.25
     """
     lengths = [len(v) for v in per_window_values]
     flat = np.concatenate([np.asarray(v, dtype=np.float64) for v in per_window_values]) if sum(lengths) else np.zeros(0)
@@ -120,12 +121,14 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     window_of = np.repeat(np.arange(len(per_window_values)), lengths)
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
-    pos, total = _weighted_median_positions(window_of, float_multiplicity(idx, len(per_window_values)))
-    samples = np.where(total > 0, flat[pos], np.nan)
+    mult = float_multiplicity(idx, len(per_window_values))
+    lower, total = _weighted_positions(window_of, mult, 0)
+    upper, _ = _weighted_positions(window_of, mult, 1)
+    samples = np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
     ci = [_f(float(np.quantile(samples, alpha))), _f(float(np.quantile(samples, 1 - alpha)))] if samples.size else [None, None]
-    return lower_median(flat), ci
+    return float(np.median(flat)), ci
 
 
 def _v2(per_window: dict[str, Any], idx: np.ndarray, level: float, values: dict, cis: dict) -> None:
