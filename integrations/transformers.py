@@ -15,7 +15,8 @@ record (written first) and tracker delivery.
   gate's loss. A failing gate never stops training (``atlas/errors.jsonl`` and a warning).
   ``trainer.evaluate()`` outside training writes a gate to ``atlas/evaluations.jsonl`` only.
 - State: the callback is an ``ExportableState``; its state goes into every checkpoint's
-  ``trainer_state.json`` (JSON) and is read back whether or not
+  ``trainer_state.json`` (JSON: policy, alerts, the history's lineage, cadence; never a secret) and is
+  read back from the checkpoint training resumes from whether or not
   ``TrainingArguments.restore_callback_states_from_checkpoint`` is set.
 
     >>> from atlas_tracking.integrations.transformers import AtlasTrainerCallback   # doctest: +SKIP
@@ -84,6 +85,15 @@ def tracker_sinks(report_to: list[str] | None) -> list[Any]:
     return sinks
 
 
+def _prefix(metric: str) -> str:
+    """The evaluation a Trainer metric belongs to: ``eval`` (one dataset) or ``eval_<dataset>``.
+
+    >>> _prefix("eval_loss"), _prefix("eval_prose_runtime")
+    ('eval', 'eval_prose')
+    """
+    return metric.rsplit("_", 1)[0]
+
+
 def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):  # numpy / torch scalars and arrays
         return value.tolist()
@@ -102,13 +112,16 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         loss_key: the evaluation metric read as the gate's loss (default ``eval_loss``). When it is not
             in the evaluation's metrics, the gate's loss is empty and a warning names the metrics that
             are; a training loss is never read instead. With several evaluation datasets the Trainer
-            evaluates them one after another at the same step: the gate runs once, at the first, so
-            name that dataset's loss (``eval_<name>_loss``).
+            evaluates them one after another at the same step: the gate runs once per step, after the
+            evaluation whose metrics hold this key (name it ``eval_<dataset>_loss``).
 
-    With ``restore_callback_states_from_checkpoint=True`` the Trainer replaces this callback by one
-    re-created from the checkpoint (``type(cb)(**state["args"])``): the canary is then read from the
-    copy kept in the run directory, the config from its saved values; ``sinks`` and a webhook URL
-    given in the config (a secret, never written to ``trainer_state.json``) are not carried over.
+    Resume: ``trainer.train(resume_from_checkpoint=...)`` loads the checkpoint's ``trainer_state.json``,
+    and this callback reads its own entry there (``stateful_callbacks``), so the callback you pass
+    continues the run, with its sinks and webhook (recommended; the Trainer's default). With
+    ``restore_callback_states_from_checkpoint=True`` the Trainer replaces it by one re-created from the
+    checkpoint (``type(cb)(**state["args"])``): the canary is read from the copy kept in the run
+    directory (``canaries/``), the config from its saved values; ``sinks`` and a webhook URL given in the
+    config (a secret, never written to ``trainer_state.json``) are not carried over.
     """
 
     def __init__(
@@ -138,6 +151,10 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
                                  hint="Pass AtlasTrainerCallback(loss_key=...) to name the metric to read.", warn=_warn)
         self._canary_file = str(canary) if isinstance(canary, (str, Path)) else None
         self._training = False
+        self._round_step = -1
+        self._round: dict[str, float] | None = None
+        """Metrics of the evaluations at ``_round_step`` while their gate is due and not yet run."""
+        self._warned_datasets = False
 
     gate = property(lambda self: self.gates.gate)
     last_record = property(lambda self: self.gates.last_record)
@@ -179,6 +196,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
                   "after the step-0 baseline. Set eval_strategy='steps' and eval_steps=N to gate every N steps.")
         self._build(args, state, model, trackers=True)
         self.gates.load_state_dict(restored)
+        self._round_step, self._round = -1, None
         self.gates.start(int(state.global_step))
         self._keep_canary()
         # The Trainer updates every stateful callback's entry when it saves and fails on a missing one
@@ -199,19 +217,56 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     metrics: dict[str, float] | None = None, model: Any = None, **kwargs: Any) -> None:
         step = int(state.global_step)
+        metrics = dict(metrics or {})
         if not self._training:  # trainer.evaluate() outside training: not part of the history
-            if self.gates.gate is None:
-                self._build(args, state, model, trackers=False)
-            self.gates.evaluate(step, self.losses.read(metrics or {}, "evaluation"), "evaluate")
+            if self._last_of_round(metrics):
+                if self.gates.gate is None:
+                    self._build(args, state, model, trackers=False)
+                self.gates.evaluate(step, self.losses.read(metrics, "evaluation"), "evaluate")
+            elif not self._warned_datasets and all(_prefix(n) == "eval" for n in self.losses.names("evaluation")):
+                self._warned_datasets = True
+                _warn("atlas: trainer.evaluate() ran on several evaluation datasets and the gate's loss "
+                      f"({', '.join(self.losses.names('evaluation'))}) names none of them: no evaluation gate is written. "
+                      "Pass AtlasTrainerCallback(loss_key='eval_<dataset>_loss').")
             return
-        # eval_on_start right after the step-0 baseline, a second evaluation dataset at the same step,
-        # the checkpoint's own evaluation after a resume: one gate per step
-        if self.gates.gated(step) or not self.gates.due():
+        if step != self._round_step:
+            # The first evaluation at this step; with several evaluation datasets one follows per dataset.
+            # eval_on_start right after the step-0 baseline and a step already in the history do not count.
+            self._flush()
+            self._round_step = step
+            due = not self.gates.gated(step) and self.gates.due()
+            self._round = {} if due else None
+        if self._round is None:
             return
-        self.gates.run(step, self.losses.read(metrics or {}, "evaluation"))
+        self._round.update(metrics)
+        if self._last_of_round(metrics):
+            self._flush()
+
+    def _last_of_round(self, metrics: dict[str, float]) -> bool:
+        """This evaluation carries the gate's loss, or no other evaluation follows at this step (one dataset:
+        the Trainer's ``eval_runtime``). With several datasets the gate waits for the one its loss names."""
+        if any(name in metrics for name in self.losses.names("evaluation")):
+            return True
+        prefixes = {_prefix(key) for key in metrics if key.endswith("_runtime")}
+        return not prefixes or prefixes == {"eval"}
+
+    def _flush(self) -> None:
+        """Run the gate an evaluation round made due (at the latest before the next step or the end)."""
+        if self._round is None:
+            return
+        metrics, self._round = self._round, None
+        self.gates.run(self._round_step, self.losses.read(metrics, "evaluation"))
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._flush()
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._flush()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._flush()
         self._training = False
         self.gates.finish()
 
@@ -222,8 +277,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         config = self.config.to_dict()
         config["alerts"]["webhook_url"] = ""  # a secret: never written to trainer_state.json
         gate = self.gates.gate
-        out_dir = str(gate.out_dir) if gate is not None else self.out_dir
-        args = {"canary": self._canary_file, "config": config, "out_dir": out_dir, "loss_key": self.loss_key}
+        args = {"canary": self._canary_file, "config": config, "out_dir": self.out_dir, "loss_key": self.loss_key}
         try:
             atlas_state = json.loads(json.dumps(self.gates.state_dict(), default=_plain))
         except (TypeError, ValueError) as exc:  # a checkpoint must never fail because of monitoring

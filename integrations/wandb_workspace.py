@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from atlas_tracking.integrations.wandb import STEP_KEY
 
-from atlas_tracking.record import LAYER_METRICS
+from atlas_tracking.record import LAYER_METRICS, METRIC_NAMES
 
 PanelKind = Literal["line", "media", "bar", "table"]
 
@@ -55,7 +55,8 @@ class SectionSpec:
 
 
 def _line(title: str, *metrics: str) -> PanelSpec:
-    return PanelSpec("line", title, tuple(f"atlas/{m}" for m in metrics))
+    """A line plot of gate summaries, by their tracker names (``mean_cv`` is logged as ``mean_cv_pct``)."""
+    return PanelSpec("line", title, tuple(f"atlas/{METRIC_NAMES.get(m, m)}" for m in metrics))
 
 
 def _bar(title: str, chart_key: str, value: str) -> PanelSpec:
@@ -121,11 +122,11 @@ def layers_in_record(path: str | Path) -> int:
     return len(records[-1].get("layers", []))
 
 
-def _panel(spec: PanelSpec) -> Any:
+def _panel(spec: PanelSpec, x_axis: str) -> Any:
     import wandb_workspaces.reports.v2 as wr
 
     if spec.kind == "line":
-        return wr.LinePlot(title=spec.title, x=STEP_KEY, y=list(spec.keys))
+        return wr.LinePlot(title=spec.title, x=x_axis, y=list(spec.keys))
     if spec.kind == "media":
         return wr.MediaBrowser(title=spec.title, media_keys=list(spec.keys), mode="gallery", gallery_axis="step")
     if spec.kind == "bar":
@@ -134,35 +135,42 @@ def _panel(spec: PanelSpec) -> Any:
     return wr.WeavePanelSummaryTable(table_name=spec.keys[0])
 
 
-def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate") -> Any:
-    """A ``wandb_workspaces`` Workspace for the gate (built offline; call ``.save()`` to publish it)."""
+def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> Any:
+    """A ``wandb_workspaces`` Workspace for the gate (built offline; call ``.save()`` to publish it).
+
+    ``x_axis`` is the step metric the gates are logged against: ``trainer/global_step`` for Lightning's
+    ``WandbLogger`` and a plain ``WandbSink``, ``train/global_step`` for the transformers Trainer
+    (:data:`atlas_tracking.integrations.transformers.TRAINER_STEP_KEY`).
+    """
     import wandb_workspaces.workspaces as ws
 
-    sections = [ws.Section(name=s.name, panels=[_panel(p) for p in s.panels], is_open=s.is_open)
+    sections = [ws.Section(name=s.name, panels=[_panel(p, x_axis) for p in s.panels], is_open=s.is_open)
                 for s in workspace_sections(n_layers)]
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
 
 
-def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate") -> str:
+def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> str:
     """Build and save the workspace to W&B; returns its URL."""
-    workspace = build_workspace(entity, project, n_layers, name)
+    workspace = build_workspace(entity, project, n_layers, name, x_axis)
     workspace.save()
     return str(workspace.url)
 
 
-def _spec_json(n_layers: int) -> str:
-    return json.dumps([{"section": s.name, "open": s.is_open,
-                        "panels": [{"kind": p.kind, "title": p.title, "keys": list(p.keys)} for p in s.panels]}
+def _spec_json(n_layers: int, x_axis: str) -> str:
+    def panel(p: PanelSpec) -> dict[str, Any]:
+        return {"kind": p.kind, "title": p.title, "keys": list(p.keys), **({"x": x_axis} if p.kind == "line" else {})}
+
+    return json.dumps([{"section": s.name, "open": s.is_open, "panels": [panel(p) for p in s.panels]}
                        for s in workspace_sections(n_layers)], indent=1)
 
 
 def cmd_wandb_workspace(args: argparse.Namespace) -> int:
     n_layers = args.layers if args.layers is not None else layers_in_record(args.record)
     if args.print:
-        print(_spec_json(n_layers))
+        print(_spec_json(n_layers, args.x_axis))
         return 0
     try:
-        url = save_workspace(args.entity, args.project, n_layers, args.name)
+        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis)
     except ImportError as exc:
         raise ValueError(f"saving a workspace needs wandb-workspaces (pip install 'atlas-tracking[wandb]'): {exc}") from None
     print(f"saved W&B workspace '{args.name}' ({n_layers} routed layers): {url}")
@@ -177,5 +185,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     count = p.add_mutually_exclusive_group(required=True)
     count.add_argument("--layers", type=int, help="number of routed layers")
     count.add_argument("--record", help="a run's atlas/gates.jsonl (the layer count is read from it)")
+    p.add_argument("--x-axis", default=STEP_KEY,
+                   help=f"the step metric of the line plots (default {STEP_KEY}; train/global_step for the "
+                        "transformers Trainer)")
     p.add_argument("--print", action="store_true", help="print the layout as JSON instead of saving it")
     p.set_defaults(func=cmd_wandb_workspace)
