@@ -116,9 +116,10 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
     from atlas_tracking import compare, replay, report
+    from atlas_tracking.integrations import wandb_workspace
     from atlas_tracking.judge import register as register_judge
 
-    return [compare.register, replay.register, report.register, register_judge]
+    return [compare.register, replay.register, report.register, register_judge, wandb_workspace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

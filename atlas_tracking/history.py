@@ -21,6 +21,8 @@ Layout of a run directory (``out_dir``; the Lightning callback's default is
     baselines/step_XXXXXXXX.B/  every baseline, in its own folder, never overwritten
     baseline                    link to the current baseline
     delivered.jsonl             which gates each tracker run has received (the trackers' catch-up)
+    canaries/F.npz              the canary of fingerprint F (kept by callbacks whose framework re-creates
+                                them from a checkpoint, e.g. the transformers Trainer)
 
 :func:`read_history` is the one reader: the report, ``replay``, the trackers' catch-up and any
 other consumer read the record through it. Lines are appended with one write and an fsync; a
@@ -286,6 +288,9 @@ class RunDir:
 
     def receipts_file(self, step: int) -> Path:
         return self.receipts / _receipts_name(step)
+
+    def canary_file(self, fingerprint: str) -> Path:
+        return self.path / "canaries" / f"{fingerprint[:16]}.npz"
 
     # --- identity ------------------------------------------------------------------------------
     def owner(self) -> tuple[bool, str | None]:

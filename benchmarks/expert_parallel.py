@@ -16,7 +16,7 @@
     baseline gate and a drift gate. The one process runs with torch's default threads (as a user runs
     it), each of 2 and 4 processes with one.
 
-Processes are gloo workers on this machine (tests/multiprocess.py); the models are the tests' models
+Processes are gloo workers on this machine (tests/gloo_workers.py); the models are the tests' models
 (tests/parallel_models.py), every weight seeded by its global name, so all placements hold the same weights.
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import numpy as np  # noqa: E402
 import parallel_models as pm  # noqa: E402
 import torch  # noqa: E402
-from multiprocess import run_workers  # noqa: E402
+from gloo_workers import run_workers  # noqa: E402
 from receipt_tolerance import FLOAT_TOL, deviations  # noqa: E402
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402

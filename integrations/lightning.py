@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from atlas_tracking.callbacks import LossSource, ValidationGates
 from atlas_tracking.canary import Canary
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate import AtlasGate
@@ -123,15 +124,16 @@ class AtlasCallback(pl.Callback):
         self.out_dir = out_dir
         self.extra_sinks = list(sinks or [])
         self.loss_key = loss_key
-        self.gate: AtlasGate | None = None
-        self._validations = 0
-        self._restored: dict[str, Any] | None = None
-        self._green: list[str] = []
-        self._loss_warned: set[str] = set()
+        self.gates = ValidationGates(warn=rank_zero_warn)
+        self.losses = LossSource({"validation": VALIDATION_LOSS_KEYS, "validate": VALIDATION_LOSS_KEYS,
+                                  "test": TEST_LOSS_KEYS}, loss_key,
+                                 hint="Pass AtlasCallback(loss_key=...) to name the metric to read.", warn=rank_zero_warn)
         self._checkpoint_step = 0
-        self.last_record: dict[str, Any] | None = None
-        self.resume_counts: dict[str, int] | None = None
-        """What the last resume did: gates moved aside, caught up, re-delivered to trackers."""
+
+    gate = property(lambda self: self.gates.gate)
+    last_record = property(lambda self: self.gates.last_record)
+    resume_counts = property(lambda self: self.gates.resume_counts)
+    """What the last resume did: gates moved aside, caught up, re-delivered to trackers."""
 
     # --- set-up ------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -141,50 +143,25 @@ class AtlasCallback(pl.Callback):
         target = _forward_target(pl_module)
         out_dir = Path(self.out_dir) if self.out_dir else Path(trainer.default_root_dir) / "atlas"
         sinks = [*tracker_sinks(trainer.loggers), *self.extra_sinks, LoggingSink(log)]
-        self.gate = AtlasGate(
+        self.gates.attach(AtlasGate(
             pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks,
             forward=lambda _model, ids: default_forward(target, ids),
-        )
+        ))
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = int(checkpoint.get("global_step") or 0)
         # checkpoints written before the state key was the class name keyed it by the canary
-        if self._restored is None:
+        if self.gates.restored is None:
             for name, state in (checkpoint.get("callbacks") or {}).items():
                 if name.startswith("AtlasCallback{'canary'") and state:
-                    self._restored = state
+                    self.gates.load_state_dict(state)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores callback state before on_fit_start but the loop state (global step)
         # only after it, so the restored gate state is applied here.
-        assert self.gate is not None
-        if self._restored is not None and "gate" in self._restored:
-            state, self._restored = self._restored, None
-            self._validations = int(state.get("validations", 0))
-            self._green = list(state.get("green_checkpoints", []))
-            self.resume_counts = self.gate.resume(int(trainer.global_step), state["gate"])
-            return
-        self.gate.claim()
-        if self.config.gate.baseline_at_start and self.gate.baseline_path is None:
-            self._gate(trainer, None)
+        self.gates.start(int(trainer.global_step), log_step=logger_step(trainer))
 
     # --- gates -------------------------------------------------------------------------------
-    def _loss(self, trainer: pl.Trainer, stage: str) -> float | None:
-        keys = (self.loss_key,) if self.loss_key else TEST_LOSS_KEYS if stage == "test" else VALIDATION_LOSS_KEYS
-        metrics = trainer.callback_metrics
-        for name in keys:
-            value = metrics.get(name)
-            if value is not None:
-                return float(value)
-        if stage not in self._loss_warned:
-            self._loss_warned.add(stage)
-            wanted = f"'{self.loss_key}'" if self.loss_key else "any of " + ", ".join(keys)
-            rank_zero_warn(
-                f"atlas: no {stage} loss for the gate: {wanted} is not among the logged metrics "
-                f"[{', '.join(sorted(metrics)) or 'none'}]; the gate's loss is left empty (no loss trend). "
-                "Pass AtlasCallback(loss_key=...) to name the metric to read.")
-        return None
-
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.gate is None:
             return
@@ -193,10 +170,9 @@ class AtlasCallback(pl.Callback):
             return
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._validations += 1
-        if self._validations % self.config.gate.every_n_validations != 0:
+        if not self.gates.due():
             return
-        record = self._gate(trainer, self._loss(trainer, "validation"))
+        record = self._gate(trainer, self.losses.read(trainer.callback_metrics, "validation"))
         if record is None:
             return
         if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
@@ -207,55 +183,31 @@ class AtlasCallback(pl.Callback):
             self._evaluate(trainer, "test")
 
     def _gate(self, trainer: pl.Trainer, loss: float | None) -> dict[str, Any] | None:
-        assert self.gate is not None
-        step = int(trainer.global_step)
-        try:
-            record = self.gate.run(step, loss=loss, log_step=logger_step(trainer))
-        except Exception as exc:  # monitoring must never stop training
-            self.gate.record_failure(step, exc)
-            rank_zero_warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
-            return None
-        self.last_record = record
-        return record
+        return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer))
 
     def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
-        assert self.gate is not None
         # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step
         step = int(trainer.global_step) or self._checkpoint_step
-        if self._restored is not None and "gate" in self._restored:
-            self.gate.load_state_dict(self._restored["gate"])
-        try:
-            self.last_record = self.gate.evaluate(step, self._loss(trainer, kind), kind=kind)
-        except Exception as exc:
-            rank_zero_warn(f"atlas {kind} gate at step {step} failed: {type(exc).__name__}: {exc}")
+        self.gates.evaluate(step, self.losses.read(trainer.callback_metrics, kind), kind)
 
     def _save_green(self, trainer: pl.Trainer, step: int) -> None:
         """Geometry-aware checkpoint: keep the last N GREEN/clean states (paper 7.5)."""
         assert self.gate is not None
         path = self.gate.out_dir / "green" / f"step={step:08d}.ckpt"
         trainer.save_checkpoint(path)
-        self._green.append(str(path))
-        while len(self._green) > self.config.gate.keep_green_checkpoints:
-            old = Path(self._green.pop(0))
+        self.gates.green.append(str(path))
+        while len(self.gates.green) > self.config.gate.keep_green_checkpoints:
+            old = Path(self.gates.green.pop(0))
             if trainer.is_global_zero and old.exists():
                 old.unlink()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.gate is not None:
-            self.gate.finish()
+        self.gates.finish()
 
     # --- checkpointed state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.gate is None:
-            return self._restored or {}
         trainer_loggers = getattr(getattr(self, "_trainer", None), "loggers", []) or []
-        return {
-            "gate": self.gate.state_dict(),
-            "validations": self._validations,
-            "green_checkpoints": self._green,
-            "tracker_run_ids": _run_ids(trainer_loggers),
-        }
+        return self.gates.state_dict(tracker_run_ids=_run_ids(trainer_loggers))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:
-            self._restored = state_dict
+        self.gates.load_state_dict(state_dict)

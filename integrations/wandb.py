@@ -29,15 +29,19 @@ class WandbSink:
         logger: a Lightning ``WandbLogger`` (its ``experiment`` is the run).
         per_layer_table: log a per-layer table and bar charts of C2 and dead experts at every gate.
         heatmap: log a layers x gates heatmap image of C2 built from the gates seen so far.
+        step_key: the x-axis metric the gates are logged against when writing to ``run`` (the
+            transformers ``WandbCallback`` plots against ``train/global_step``; a ``WandbLogger``
+            uses its own).
     """
 
     name = "wandb"
 
-    def __init__(self, run: Any = None, logger: Any = None, per_layer_table: bool = True, heatmap: bool = True):
+    def __init__(self, run: Any = None, logger: Any = None, per_layer_table: bool = True, heatmap: bool = True,
+                 step_key: str = STEP_KEY):
         if run is None and logger is None:
             raise ValueError("WandbSink needs a wandb run (wandb.init(...)) or a Lightning WandbLogger")
         self._run, self.logger = run, logger
-        self.per_layer_table, self.heatmap = per_layer_table, heatmap
+        self.per_layer_table, self.heatmap, self.step_key = per_layer_table, heatmap, step_key
         self._defined = False
         self._history: list[tuple[int, list[float | None]]] = []
         self._layer_names: list[str] = []
@@ -53,8 +57,8 @@ class WandbSink:
 
     def _define(self) -> None:
         run = self.run
-        run.define_metric(STEP_KEY)
-        run.define_metric("atlas/*", step_metric=STEP_KEY)
+        run.define_metric(self.step_key)
+        run.define_metric("atlas/*", step_metric=self.step_key)
         self._defined = True
 
     def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
@@ -82,7 +86,7 @@ class WandbSink:
         if self.logger is not None:
             self.logger.log_metrics(payload, step=step)
         else:
-            self.run.log({**payload, STEP_KEY: step})
+            self.run.log({**payload, self.step_key: step})
         summary = self.run.summary
         summary["atlas/status"] = record.get("status")
         summary["atlas/stage"] = record.get("stage")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import parallel_models as pm
 import pytest
-from multiprocess import run_workers
+from gloo_workers import run_workers
 from receipt_tolerance import assert_within_tolerance
 
 

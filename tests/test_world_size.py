@@ -15,7 +15,7 @@ import json
 
 import parallel_models as pm
 import pytest
-from multiprocess import run_workers
+from gloo_workers import run_workers
 from receipt_tolerance import assert_within_tolerance
 
 from atlas_tracking import Canary, measure

@@ -1,0 +1,192 @@
+"""A saved W&B workspace laid out as the atlas gate reads, built with ``wandb-workspaces``.
+
+The layout is plain data (:func:`workspace_sections`), so it can be checked offline against the keys
+:class:`~atlas_tracking.integrations.wandb.WandbSink` really logs; :func:`build_workspace` turns it
+into a ``wandb_workspaces.workspaces.Workspace`` (no network) and :func:`save_workspace` saves it to
+a W&B project (needs a W&B login). Sections, top to bottom: the verdict (status, stage, loss beside
+C2, the gate table), occupancy, State2 and the V2 axes, drift and the lifecycle margins, and, closed
+by default, the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
+workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section.
+
+Example (offline: the layout for a 4-layer model):
+    >>> from atlas_tracking.integrations.wandb_workspace import workspace_sections, logged_keys
+    >>> [s.name for s in workspace_sections(n_layers=4)]
+    ['atlas: verdict', 'atlas: occupancy', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: per layer']
+    >>> "atlas/layer_03/c2" in logged_keys(workspace_sections(n_layers=4))
+    True
+
+From the command line (``--print`` shows the layout without contacting W&B)::
+
+    atlas-tracking wandb-workspace --entity ENTITY --project PROJECT --record atlas/gates.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from atlas_tracking.integrations.wandb import STEP_KEY
+
+from atlas_tracking.record import LAYER_METRICS, METRIC_NAMES
+
+PanelKind = Literal["line", "media", "bar", "table"]
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One panel: a line plot of history keys, a media browser, a bar chart of a logged table, or a table."""
+
+    kind: PanelKind
+    title: str
+    keys: tuple[str, ...]
+    """History keys the panel reads (for ``bar``: the table key ``wandb.plot.bar`` logs)."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Bar charts: the table columns for the label and the value."""
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    name: str
+    panels: tuple[PanelSpec, ...]
+    is_open: bool = True
+
+
+def _line(title: str, *metrics: str) -> PanelSpec:
+    """A line plot of gate summaries, by their tracker names (``mean_cv`` is logged as ``mean_cv_pct``)."""
+    return PanelSpec("line", title, tuple(f"atlas/{METRIC_NAMES.get(m, m)}" for m in metrics))
+
+
+def _bar(title: str, chart_key: str, value: str) -> PanelSpec:
+    return PanelSpec("bar", title, (f"{chart_key}_table",), {"label": "layer", "value": value})
+
+
+def workspace_sections(n_layers: int) -> list[SectionSpec]:
+    """The gate's layout for a model with ``n_layers`` routed layers (per-layer section closed)."""
+    if n_layers < 1:
+        raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+    per_layer = tuple(
+        PanelSpec("line", f"{metric} per layer", tuple(f"atlas/layer_{i:02d}/{metric}" for i in range(n_layers)))
+        for metric in LAYER_METRICS
+    )
+    return [
+        SectionSpec("atlas: verdict", (
+            _line("status (BASELINE 0, GREEN 1, YELLOW 2, RED 3)", "status_code"),
+            _line("stage (baseline 0 ... intervene 6)", "stage_code"),
+            _line("validation loss", "loss"),
+            _line("C2 (all layers, protected layers)", "c2", "c2_protected"),
+            PanelSpec("table", "last gate: status, stage, action", ("atlas/gate",)),
+        )),
+        SectionSpec("atlas: occupancy", (
+            _line("dead experts (mean, worst layer)", "dead_experts", "dead_experts_max"),
+            _line("router entropy (min, mean over layers; nats)", "min_entropy", "mean_entropy"),
+            _line("load CV x100 (mean, worst layer)", "mean_cv", "max_cv"),
+            _line("experts active (mean over layers)", "experts_active"),
+        )),
+        SectionSpec("atlas: State2 and V2", (
+            _line("C2 (mean, worst layer)", "c2", "c2_min"),
+            _line("layers passing V2 C1 / V2 C2", "v2_c1_pass_layers", "v2_c2_pass_layers"),
+            _line("transition incompatibility (median over the boundary set)", "transition_incompat"),
+            _line("routing self-consistency ov_cf", "ov_cf"),
+            _line("State1 set margin (decisiveness, not health)", "margin"),
+            _line("canary NLL", "canary_nll"),
+        )),
+        SectionSpec("atlas: drift and lifecycle", (
+            _line("handoff and refinement margins (positive: inside)", "handoff_margin", "refine_margin"),
+            _line("gate wall time (s)", "gate_seconds"),
+        )),
+        SectionSpec("atlas: per layer", (
+            *per_layer,
+            PanelSpec("media", "C2: layers x gates", ("atlas/c2_heatmap",)),
+            _bar("C2 per layer (last gate)", "atlas/c2_by_layer", "c2"),
+            _bar("dead experts per layer (last gate)", "atlas/dead_by_layer", "dead_experts"),
+            PanelSpec("table", "per-layer receipts (last gate)", ("atlas/layers",)),
+        ), is_open=False),
+    ]
+
+
+def logged_keys(sections: list[SectionSpec]) -> set[str]:
+    """Every history key the layout reads."""
+    return {key for s in sections for p in s.panels for key in p.keys}
+
+
+def layers_in_record(path: str | Path) -> int:
+    """The routed-layer count of the last gate in a local ``gates.jsonl`` record."""
+    from atlas_tracking.sinks import JsonlSink
+
+    records = JsonlSink(path).records()
+    if not records:
+        raise ValueError(f"{path} holds no gate record to read the layer count from")
+    return len(records[-1].get("layers", []))
+
+
+def _panel(spec: PanelSpec, x_axis: str) -> Any:
+    import wandb_workspaces.reports.v2 as wr
+
+    if spec.kind == "line":
+        return wr.LinePlot(title=spec.title, x=x_axis, y=list(spec.keys))
+    if spec.kind == "media":
+        return wr.MediaBrowser(title=spec.title, media_keys=list(spec.keys), mode="gallery", gallery_axis="step")
+    if spec.kind == "bar":
+        return wr.CustomChart(query={"summaryTable": {"tableKey": spec.keys[0]}}, chart_name="wandb/bar/v0",
+                              chart_fields=dict(spec.fields), chart_strings={"title": spec.title})
+    return wr.WeavePanelSummaryTable(table_name=spec.keys[0])
+
+
+def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> Any:
+    """A ``wandb_workspaces`` Workspace for the gate (built offline; call ``.save()`` to publish it).
+
+    ``x_axis`` is the step metric the gates are logged against: ``trainer/global_step`` for Lightning's
+    ``WandbLogger`` and a plain ``WandbSink``, ``train/global_step`` for the transformers Trainer
+    (:data:`atlas_tracking.integrations.transformers.TRAINER_STEP_KEY`).
+    """
+    import wandb_workspaces.workspaces as ws
+
+    sections = [ws.Section(name=s.name, panels=[_panel(p, x_axis) for p in s.panels], is_open=s.is_open)
+                for s in workspace_sections(n_layers)]
+    return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
+
+
+def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> str:
+    """Build and save the workspace to W&B; returns its URL."""
+    workspace = build_workspace(entity, project, n_layers, name, x_axis)
+    workspace.save()
+    return str(workspace.url)
+
+
+def _spec_json(n_layers: int, x_axis: str) -> str:
+    def panel(p: PanelSpec) -> dict[str, Any]:
+        return {"kind": p.kind, "title": p.title, "keys": list(p.keys), **({"x": x_axis} if p.kind == "line" else {})}
+
+    return json.dumps([{"section": s.name, "open": s.is_open, "panels": [panel(p) for p in s.panels]}
+                       for s in workspace_sections(n_layers)], indent=1)
+
+
+def cmd_wandb_workspace(args: argparse.Namespace) -> int:
+    n_layers = args.layers if args.layers is not None else layers_in_record(args.record)
+    if args.print:
+        print(_spec_json(n_layers, args.x_axis))
+        return 0
+    try:
+        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis)
+    except ImportError as exc:
+        raise ValueError(f"saving a workspace needs wandb-workspaces (pip install 'atlas-tracking[wandb]'): {exc}") from None
+    print(f"saved W&B workspace '{args.name}' ({n_layers} routed layers): {url}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("wandb-workspace", help="create a W&B workspace laid out for the atlas gate")
+    p.add_argument("--entity", required=True)
+    p.add_argument("--project", required=True)
+    p.add_argument("--name", default="atlas gate", help="workspace (view) name")
+    count = p.add_mutually_exclusive_group(required=True)
+    count.add_argument("--layers", type=int, help="number of routed layers")
+    count.add_argument("--record", help="a run's atlas/gates.jsonl (the layer count is read from it)")
+    p.add_argument("--x-axis", default=STEP_KEY,
+                   help=f"the step metric of the line plots (default {STEP_KEY}; train/global_step for the "
+                        "transformers Trainer)")
+    p.add_argument("--print", action="store_true", help="print the layout as JSON instead of saving it")
+    p.set_defaults(func=cmd_wandb_workspace)
