@@ -69,6 +69,13 @@ def rel_tolerance(*dtypes: torch.dtype) -> float:
     return max(TOLERANCE.get(d, TOLERANCE[torch.bfloat16]) for d in dtypes)
 
 
+def _autocast_dtype(device: torch.device) -> list[torch.dtype]:
+    """The dtype the model's forward computed in under autocast (fp32 tensors can hold bf16 products), if on."""
+    if not torch.is_autocast_enabled(device.type):
+        return []
+    return [torch.get_autocast_dtype(device.type)]
+
+
 def rel_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """``||ours - theirs|| / ||theirs||`` in fp32 (0 when both are zero)."""
     ours, theirs = ours.float(), theirs.float()
@@ -140,7 +147,7 @@ class SelfCheck:
             mismatch = ~_same_sets(routing.active, call[1].reshape(len(g2), -1).long())
             shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
             errs[:, col["active_set"]] = mismatch.view(shape).float().mean(dim=0 if layer.sequence_first else 1)
-        dtypes = [g.dtype, out.dtype]
+        dtypes = [g.dtype, out.dtype, *_autocast_dtype(g.device)]
         rows = self._sample(n_windows, routing.active) if w0 == 0 else g2.new_empty(0, dtype=torch.long)
         if len(rows):
             errors = dict.fromkeys(CHECKS, float("nan"))

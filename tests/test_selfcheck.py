@@ -89,3 +89,15 @@ def test_wrong_selection_scores_fire_the_active_set_check():
 def test_a_refused_family_names_its_reason():
     with pytest.raises(NoRoutedLayersError, match=r"flex_olmo MoE block model\.layers\.0\.mlp .*post-norm block"):
         find_routed_layers(flex_olmo_model())
+
+
+def test_a_forward_under_autocast_is_checked_at_its_working_precision():
+    """fp32 weights under bf16 autocast (a Trainer with ``bf16=True``): the block's products are bf16 while its
+    tensors stay fp32, so the tolerance is bf16's; a fp32 tolerance would fail a correct adapter."""
+    model = family_model("qwen3_moe")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = measure(model, CANARY, config=config(True))
+    for lay in report.layers:
+        s = lay["selfcheck"]
+        assert s["tolerance"] == pytest.approx(2e-2)
+        assert 0 < s["recombination"] <= 2e-2 and s["active_set"] <= 0.01
