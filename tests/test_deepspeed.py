@@ -4,7 +4,6 @@ Expert parallelism over several processes is tested in tests/test_expert_paralle
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from pathlib import Path
@@ -28,13 +27,18 @@ CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 100,
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    yield
+    """One gloo rank for this module, its environment (which DeepSpeed reads at every engine) restored after,
+    so later tests and the subprocesses they start do not inherit a stale MASTER_PORT or RANK."""
+    with pytest.MonkeyPatch.context() as env:
+        if not torch.distributed.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                                   LOCAL_RANK="0").items():
+                env.setenv(key, value)
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        yield
     torch.distributed.destroy_process_group()
 
 

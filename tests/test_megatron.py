@@ -55,7 +55,6 @@ def test_selection_matches_megatron(name):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core's router gating needs CUDA")
 def test_full_moe_layer_forward_matches_the_adapter():
-    import os
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -66,8 +65,11 @@ def test_full_moe_layer_forward_matches_the_adapter():
     from atlas_tracking.adapters import find_routed_layers
 
     if not torch.distributed.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", WORLD_SIZE="1",
+                                   LOCAL_RANK="0").items():
+                env.setenv(key, value)
+            torch.distributed.init_process_group("nccl", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
@@ -102,20 +104,22 @@ def test_full_moe_layer_forward_matches_the_adapter():
 def megatron_cpu():
     """Megatron-Core process groups on one gloo rank, and ``examples/megatron_cpu.py``'s CPU stand-in
     for ``TopKRouter.gating`` (the real one moves the router weights to CUDA first)."""
-    import os
     import socket
 
     from megatron.core import parallel_state
 
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    with cpu_router_gating():
-        yield
+    with pytest.MonkeyPatch.context() as env:  # restored after: later tests and their subprocesses inherit it
+        if not torch.distributed.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                                   LOCAL_RANK="0").items():
+                env.setenv(key, value)
+            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        with cpu_router_gating():
+            yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

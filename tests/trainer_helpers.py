@@ -69,8 +69,13 @@ def records(out: Path, name: str = "gates.jsonl") -> list[dict[str, Any]]:
 
 
 def use_trackers(monkeypatch, tmp_path: Path, experiment: str = "atlas-trainer") -> str:
-    """W&B offline under ``tmp_path`` and MLflow on sqlite there (artifacts there too); returns the tracking URI."""
+    """W&B offline under ``tmp_path`` and MLflow on sqlite there (artifacts there too); returns the tracking URI.
+
+    W&B's process-wide settings are reset first: a run started earlier in this process (by any test) would
+    otherwise keep its ``WANDB_DIR``."""
     from mlflow.tracking import MlflowClient
+
+    finish_trackers()
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -90,7 +95,6 @@ def finish_trackers() -> None:
     """End the runs the Trainer's integrations leave open (W&B) or may leave open (MLflow), and reset W&B's
     process-wide settings so that the next run reads ``WANDB_DIR`` again."""
     import mlflow
-
     import wandb
 
     if wandb.run is not None:
