@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[all,dev]" -c constraints.txt
+	# LitGPT pins huggingface-hub<1.4 and jsonargparse<=4.41 (transformers 5 and LightningCLI need newer ones);
+	# its model code needs only torch and lightning, so it is installed without its dependencies.
+	$(BIN)/python -m pip install -q --no-deps "litgpt==0.5.13"
 	touch $(STAMP)
 
 demo: $(STAMP)

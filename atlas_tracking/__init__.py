@@ -9,9 +9,12 @@ from atlas_tracking.canary import Canary, CanaryError
 from atlas_tracking.config import AtlasConfig, ConfigError
 from atlas_tracking.gate_report import ArtifactError, GateReport
 from atlas_tracking.history import read_history
+from atlas_tracking.judge import judge
 from atlas_tracking.measure import RouterLogitsError, measure
+from atlas_tracking.selfcheck import AdapterCheckError
 
 __all__ = [
+    "AdapterCheckError",
     "ArtifactError",
     "AtlasConfig",
     "Baseline",
@@ -24,6 +27,7 @@ __all__ = [
     "RoutedLayer",
     "RouterLogitsError",
     "find_routed_layers",
+    "judge",
     "measure",
     "read_history",
     "register_family",

@@ -2,7 +2,8 @@
 
 Defaults: entering ``revoked`` (WARN), entering ``intervene`` (ERROR), a resume baseline (INFO),
 a re-baseline after a canary change (INFO, naming both fingerprints) and recovery back to
-``clean`` (INFO); levels come from :class:`~atlas_tracking.config.AlertsConfig`
+``clean`` (INFO); in pretraining, entering ``collapse`` (occupancy collapse, WARN) and entering
+``ready`` (handoff readiness, INFO). Levels come from :class:`~atlas_tracking.config.AlertsConfig`
 and "off" disables one. Threshold rules (``dead_experts > 64 on any protected layer``) fire at
 most once per ``min_interval_steps``. Trackers deliver the events elsewhere.
 
@@ -81,10 +82,12 @@ class AlertEngine:
                 "are never compared across canaries, and the previous baseline is kept.",
                 "canary_change", step))
         elif decision.get("status") == "BASELINE" and record.get("resume") and self.cfg.on_resume_baseline != "off":
+            handoff = (f" Phase {decision['phase_before_resume']} -> {decision.get('phase')}: this gate is the "
+                       f"{decision.get('phase')} baseline." if decision.get("phase_before_resume") else "")
             out.append(self._event(
                 self.cfg.on_resume_baseline, f"atlas: resume baseline at step {step}",
                 f"Training resumed; the gate at step {step} is a new baseline (stage before resume: "
-                f"{decision.get('stage_before_resume')}). Preservation is untested until the next gate.",
+                f"{decision.get('stage_before_resume')}). Preservation is untested until the next gate.{handoff}",
                 "resume_baseline", step))
         entered = stage != prev
         if entered and stage == "revoked" and self.cfg.on_revoked != "off":
@@ -95,6 +98,15 @@ class AlertEngine:
             out.append(self._event(self.cfg.on_intervene, f"atlas: intervene at step {step}",
                                    f"{decision.get('action', '')} First intervention: {decision.get('intervention')}",
                                    "stage:intervene", step))
+        if entered and stage == "collapse" and self.cfg.on_collapse != "off":
+            out.append(self._event(self.cfg.on_collapse, f"atlas: occupancy collapse at step {step}",
+                                   f"{decision.get('interpretation', '')} {decision.get('action', '')}".strip(),
+                                   "stage:collapse", step))
+        if entered and stage == "ready" and self.cfg.on_handoff_ready != "off":
+            margin = (decision.get("handoff") or {}).get("margin")
+            out.append(self._event(self.cfg.on_handoff_ready, f"atlas: handoff ready at step {step}",
+                                   f"{decision.get('interpretation', '')} Handoff margin "
+                                   f"{'n/a' if margin is None else f'{margin:+.4f}'}.", "stage:ready", step))
         if entered and stage == "clean" and prev in ("recovering", "revoked", "alert", "prepare", "intervene") \
                 and self.cfg.on_recovered != "off":
             out.append(self._event(self.cfg.on_recovered, f"atlas: recovered to clean at step {step}",

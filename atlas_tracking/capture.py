@@ -30,6 +30,7 @@ from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loa
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
 from atlas_tracking.receipts.windows import COUNTERS
+from atlas_tracking.selfcheck import SelfCheck
 from atlas_tracking.sharding import gathered
 
 _TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
@@ -247,6 +248,7 @@ class LayerCapture:
         self._own_forward: Any = None
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
+        self.check = SelfCheck(layer, acc)
         self._handles: list[Any] = []
         self.calls = 0
 
@@ -283,8 +285,10 @@ class LayerCapture:
         self._x = self._g = self._router_out = self._stash = None
 
     def _parameters(self) -> Any:
-        """The norm's and router's parameters gathered while the hooks read them outside their own forward."""
-        return gathered([self.layer.norm, self.layer.router])
+        """The norm's and router's parameters gathered while the hooks read them outside their own forward;
+        at the gate's first call the whole block's, whose experts and shared experts the self-check evaluates
+        there (every rank makes that call, so a ZeRO-3 gather is matched on every rank)."""
+        return gathered([self.layer.norm, self.layer.router] + ([self.layer.block] if self.calls == 0 else []))
 
     def _on_norm(self, module, inputs, output) -> None:
         self._x, self._g = inputs[0], output
@@ -296,8 +300,12 @@ class LayerCapture:
         if self._x is None or self._router_out is None:
             raise RuntimeError(f"{self.layer.name}: the norm or router hook did not fire before the MoE block")
         try:
+            out = self.layer.block_output(output)
             with self._parameters():
-                self.compute(self._x, self._g, self._router_out, self.layer.block_output(output), self._stash)
+                self.compute(self._x, self._g, self._router_out, out, self._stash)
+                if self.batch.keep:
+                    self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
+                                       (self.batch.start, self.batch.end), self.batch.size)
         finally:
             self._x = self._g = self._router_out = self._stash = None
         self.calls += 1
@@ -308,6 +316,7 @@ class LayerCapture:
         set, the adjacent and the random competitors (and the anchors) in as many calls as keep each
         within the forward's own expert rows; the active fields are reduced to the receipts and
         combined with the model's weights (in fp32) as the layer output (zero on padding rows)."""
+        self.check.experts_call(hidden_states, top_k_index, top_k_weights)
         with torch.no_grad(), self._parameters():
             sel = self.select(self._router_out, hidden_states)
             x2 = self.window_major(self._x)

@@ -1,6 +1,7 @@
-"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report.
+"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report, judge.
 
-Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement.
+Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement; ``judge`` exits 0 for
+a real fix, 1 for not yet, 2 for not comparable.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ class CLIError(Exception):
 
 
 def load_hf_model(model_dir: str, dtype: str = "auto", device: str = "cpu"):
-    """Load a transformers causal LM from a local checkpoint directory (safetensors weights)."""
+    """Load a transformers causal LM (or a composite model, measured through its text model) from a local
+    checkpoint directory (safetensors weights)."""
     try:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise CLIError(f"loading --model needs transformers (pip install 'atlas-tracking[hf]'): {exc}") from None
     transformers.logging.set_verbosity_error()
@@ -37,8 +38,9 @@ def load_hf_model(model_dir: str, dtype: str = "auto", device: str = "cpu"):
     if not (path / "config.json").exists():
         raise CLIError(f"{model_dir} is not a transformers checkpoint directory (no config.json)")
     torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
-    return model.to(device).eval()
+    from atlas_tracking.checkpoints import from_pretrained
+
+    return from_pretrained(path, torch_dtype).to(device).eval()
 
 
 def _config(path: str | None) -> AtlasConfig:
@@ -115,8 +117,9 @@ def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Sub-commands living in their own modules (each exposes ``register(subparsers)``)."""
     from atlas_tracking import compare, replay, report
     from atlas_tracking.integrations import wandb_workspace
+    from atlas_tracking.judge import register as register_judge
 
-    return [compare.register, replay.register, report.register, wandb_workspace.register]
+    return [compare.register, replay.register, report.register, register_judge, wandb_workspace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,9 @@ class ReceiptsConfig:
     """Storage dtype of the base expert fields in a baseline artifact."""
     content_quantile: float = 0.9
     """Quantile over the active set in ``content_drift``."""
+    terminal_band: int = 3
+    """Routed layers before the terminal one whose mean ``ov_cf`` the terminal jump is taken against
+    (``ov_cf_terminal_jump``; fewer when the model has fewer)."""
     progress: bool = True
     """Print progress for long canaries (to stderr)."""
 
@@ -75,7 +78,7 @@ class ReceiptsConfig:
         _check_range(prefix, "boundary_q", self.boundary_q, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "ci_level", self.ci_level, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "content_quantile", self.content_quantile, 0.0, 1.0)
-        for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors"):
+        for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors", "terminal_band"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
         if any(d <= 0 for d in self.boundary_deltas):
@@ -98,8 +101,27 @@ class LifecycleConfig:
 
 @dataclass
 class PolicyConfig:
-    """Tolerances of the gate reading (RECEIPTS.md, Gate reading)."""
+    """Lifecycle phase and tolerances of the gate reading (RECEIPTS.md, Lifecycle phases and Gate reading)."""
 
+    phase: Literal["auto", "pretraining", "post_training"] = "auto"
+    """How gates are read. "pretraining": the atlas is forming; the reference rolls forward gate to gate,
+    preservation verdicts and escalation are off, occupancy collapse still alerts, and each gate reports
+    handoff readiness. "post_training": preservation against the baseline with staged escalation. "auto":
+    decided at the run's first gate (pretraining when its canary NLL shows a freshly initialised model, see
+    fresh_nll_ratio) and kept, through resumes, in the checkpointed state. An explicit phase always wins:
+    resuming a pretraining run with "post_training" is the handoff (the resume gate is its baseline)."""
+    fresh_nll_ratio: float = 0.9
+    """phase auto: a first gate whose canary NLL is at least this fraction of ln(vocab_size), the NLL of a
+    uniform guess, is a freshly initialised model (pretraining); a lower NLL is a loaded, trained model."""
+    n_stable: int = 2
+    """Pretraining: consecutive gates whose gate-to-gate C2 and occupancy changes stay inside the
+    tolerances (or whose paired CIs cover 0) before the atlas counts as a stable baseline for handoff."""
+    collapse_dead_fraction: float = 0.75
+    """Occupancy collapse: a routed layer on which more than this fraction of the experts receive no canary
+    token."""
+    collapse_effective_experts: float = 2.0
+    """Occupancy collapse: a routed layer whose effective expert count exp(router_entropy) falls below this
+    many times its top-k (routing concentrated on about as many experts as a token selects)."""
     c2_tol: float = 0.005
     """C2 moves smaller than this (absolute) are 'stable' (against the baseline and the previous gate)."""
     dead_tol: float = 0.0
@@ -119,7 +141,11 @@ class PolicyConfig:
     """When paired CIs are present, C2 'worsens' only if the CI of the change excludes zero."""
 
     def _validate(self, prefix: str) -> None:
-        for name in ("n_recover", "loss_window"):
+        _check_range(prefix, "fresh_nll_ratio", self.fresh_nll_ratio, 0.0, 1.0, lo_open=True)
+        _check_range(prefix, "collapse_dead_fraction", self.collapse_dead_fraction, 0.0, 1.0)
+        if self.collapse_effective_experts < 0:
+            raise ConfigError(f"'{prefix}collapse_effective_experts' must be >= 0, got {self.collapse_effective_experts!r}")
+        for name in ("n_recover", "loss_window", "n_stable"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
         for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol"):
@@ -157,6 +183,10 @@ class AlertsConfig:
     on_recovered: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
     on_canary_change: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
     """A resume with another canary: the re-baseline alert names both fingerprints."""
+    on_collapse: Literal["INFO", "WARN", "ERROR", "off"] = "WARN"
+    """Pretraining: a gate enters stage ``collapse`` (occupancy collapse on a routed layer)."""
+    on_handoff_ready: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    """Pretraining: a gate enters stage ``ready`` (handoff readiness holds)."""
     wait_duration_s: float = 300.0
     """Minimum seconds between two identical alerts delivered by a tracker."""
     rules: list[AlertRule] = field(default_factory=list)

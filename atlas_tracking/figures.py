@@ -8,7 +8,7 @@ from typing import Any
 from atlas_tracking.record import STAGE_CODES
 
 STATUS_COLORS = {"BASELINE": "#7f8c8d", "GREEN": "#2e8b57", "YELLOW": "#d4a017", "RED": "#c0392b"}
-STAGE_ORDER = ["baseline", "clean", "recovering", "revoked", "alert", "prepare", "intervene"]
+STAGE_ORDER = sorted(STAGE_CODES, key=STAGE_CODES.__getitem__)
 
 
 def pyplot():
@@ -93,7 +93,11 @@ def fig_timeline(recs: list[dict[str, Any]]):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 2.8))
     steps = [r["step"] for r in recs]
-    levels = [STAGE_CODES.get(r.get("stage"), 0) for r in recs]
+    seen = {r.get("stage") for r in recs}
+    # Pretraining stages (codes 7-9) and the post-training escalation get rows only when the run has them.
+    rows = [s for s in STAGE_ORDER if s in seen or s == "baseline"
+            or (STAGE_CODES[s] < 7 and seen & set(STAGE_ORDER[1:7])) or (STAGE_CODES[s] >= 7 and seen & set(STAGE_ORDER[7:]))]
+    levels = [rows.index(r["stage"]) if r.get("stage") in rows else 0 for r in recs]
     ax.step(steps, levels, where="post", color="#95a5a6")
     ax.scatter(steps, levels, c=[STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs], zorder=3, s=40)
     for r, y in zip(recs, levels):
@@ -101,8 +105,8 @@ def fig_timeline(recs: list[dict[str, Any]]):
         if alert_levels:
             ax.annotate("+".join(alert_levels), (r["step"], y), textcoords="offset points", xytext=(0, 8),
                         ha="center", fontsize=7, color="#c0392b" if "ERROR" in alert_levels else "#7d6608")
-    ax.set_yticks(range(len(STAGE_ORDER)))
-    ax.set_yticklabels(STAGE_ORDER, fontsize=8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows, fontsize=8)
     ax.set_xlabel("step")
     ax.set_title("Stage timeline (dots coloured by status; alert levels annotated)")
     return fig

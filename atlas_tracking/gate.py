@@ -50,6 +50,7 @@ from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.history import RunDir, RunDirError, append_line, key, new_id, read_history, sha256_text
 from atlas_tracking.measure import ForwardFn, default_forward, measure
+from atlas_tracking.phases import model_vocab_size
 from atlas_tracking.policy import GatePolicy, GateSummary
 from atlas_tracking.record import gate_metrics, gate_record
 from atlas_tracking.sinks import Delivery, JsonlSink, WebhookSink
@@ -98,6 +99,8 @@ class AtlasGate:
         self.forward = forward
         self.keep_receipts = keep_receipts
         self.policy = GatePolicy(self.config)
+        self.vocab_size = model_vocab_size(model)
+        """Recorded with every gate: with the canary NLL it tells a freshly initialised model (phase auto)."""
         self.alerts = AlertEngine(self.config.alerts, self.config.lifecycle)
         self.baseline: Baseline | None = None
         self.baseline_path: str | None = None
@@ -201,7 +204,8 @@ class AtlasGate:
         t0 = time.perf_counter()
         self._load_existing_baseline()
         resume = self._resume_pending
-        new_baseline = self.baseline is None or resume
+        # In pretraining every gate becomes the next one's reference (RECEIPTS.md, Lifecycle phases).
+        new_baseline = self.baseline is None or resume or self.policy.rolls_reference
         report = measure(
             self.model, self.canary, baseline=self.baseline, config=self.config, step=step,
             layers=self.layers, forward=self.forward, keep_anchors=new_baseline,
@@ -219,6 +223,7 @@ class AtlasGate:
             record["log_step"] = int(log_step)
         if resume and self._canary_changed_from:
             record["canary_changed_from"] = self._canary_changed_from
+        record["vocab_size"] = self.vocab_size
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events

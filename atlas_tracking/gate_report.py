@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.host_threads import one_blas_thread
+from atlas_tracking.receipts.cliff import TERMINAL_BAND, terminal_cliff
 from atlas_tracking.receipts.stats import bootstrap_indices, ratio, ratio_ci
 from atlas_tracking.receipts.windows import layer_receipts, summary
 
@@ -205,6 +206,9 @@ def derive(
     s, c = np.asarray(nll["sum"], float), np.asarray(nll["count"], float)
     summ = summary(layers, jsonable(ratio(s, c)))
     summ["canary_nll_ci"] = list(ratio_ci(s, c, idx, level))
+    depth = sorted(range(len(layer_meta)), key=lambda i: layer_meta[i].get("ordinal", i))
+    summ.update(terminal_cliff([per_window["layers"][i]["ov_cf"] for i in depth], idx, level,
+                               receipts_cfg.get("terminal_band", TERMINAL_BAND)))
     return layers, jsonable(summ)
 
 

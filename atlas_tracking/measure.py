@@ -43,6 +43,7 @@ from atlas_tracking.capture import (
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
+from atlas_tracking.selfcheck import check_layers
 from atlas_tracking.sharding import model_class_name, reshard
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
@@ -255,12 +256,14 @@ def build_report(
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
     _check_finite(layers, merged)
+    checks = check_layers(layers, merged)
     nll_sum, nll_cnt = np.zeros(canary.n_windows), np.zeros(canary.n_windows, dtype=np.int64)
     for p, own in zip(partials, owned):
         nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
-    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected}
-            for layer in layers]
+    meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
+             "selfcheck": check}
+            for layer, check in zip(layers, checks)]
     per_window = {
         "canary_nll": {"sum": nll_sum, "count": nll_cnt},
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],

@@ -1,11 +1,15 @@
-"""Gate reading: claim licensing and staged escalation (RECEIPTS.md, Gate reading; seeds/000 tables 4, 6, 11-14).
+"""Gate reading: lifecycle phases, claim licensing and staged escalation.
 
-Pure logic on gate summaries: no model, no torch. A :class:`GatePolicy` reads each gate against
-the baseline and the previous gate and returns a :class:`GateDecision`: a status (BASELINE,
-GREEN, YELLOW, RED), a stage of the staged escalation (baseline, clean, revoked, alert,
-prepare, intervene, recovering), the Table 11 interpretation, the Table 4 licensed and
-unlicensed claims, the Table 14 first intervention, and the worst protected layers. Its state
-is a plain dict, so decisions survive restarts.
+RECEIPTS.md, Lifecycle phases and Gate reading; seeds/000 tables 4, 6, 10, 11-14. Pure logic on
+gate summaries: no model, no torch. A :class:`GatePolicy` reads each gate in its phase and
+returns a :class:`GateDecision` that states the phase. In ``post_training`` a gate is read
+against the baseline and the previous gate: a status (BASELINE, GREEN, YELLOW, RED), a stage of
+the staged escalation (baseline, clean, revoked, alert, prepare, intervene, recovering), the
+Table 11 interpretation, the Table 4 licensed and unlicensed claims, the Table 14 first
+intervention, and the worst protected layers. In ``pretraining`` the reference rolls forward
+gate to gate, escalation is off, and the stage is ``forming``, ``ready`` (handoff readiness,
+Table 10) or ``collapse`` (occupancy collapse, YELLOW). Its state is a plain dict, so decisions
+survive restarts.
 
 Example (the paper's Distill-640, Table 3):
     >>> p = GatePolicy()
@@ -23,9 +27,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from atlas_tracking.config import AtlasConfig, PolicyConfig
+from atlas_tracking.phases import (
+    PHASES,
+    collapse_reasons,
+    detect_phase,
+    moved,
+    readiness_reasons,
+    v2_c1_failures,
+)
 
-STAGES = ("baseline", "clean", "recovering", "revoked", "alert", "prepare", "intervene")
+STAGES = ("baseline", "clean", "recovering", "revoked", "alert", "prepare", "intervene", "forming", "ready", "collapse")
 BAD_STAGES = ("revoked", "alert", "prepare", "intervene")
+PRETRAINING_STAGES = ("forming", "ready", "collapse")
 
 ACTIONS = {
     "baseline": "Wait for the first post-baseline gate: a baseline is a new reference point, not evidence of preservation.",
@@ -38,8 +51,12 @@ ACTIONS = {
     "intervene": "Intervene or stop claiming progress: repeated degradation with the same occupancy pathology is no "
     "longer plausibly noise.",
     "recovering": "Continue, but require repeated jointly recovering gates before declaring recovery.",
+    "forming": "Keep pretraining with gates on schedule: the atlas is still forming and handoff is not yet licensed.",
+    "ready": "Handoff is licensed on this canary: hand off when the objective is where you want it too (resume with "
+    "policy.phase: post_training; the resume gate becomes the post-training baseline).",
+    "collapse": "Restore balanced routing before spending more compute: routing has collapsed onto a few experts.",
 }
-"""Operator action per stage (seeds/000 Tables 6 and 13)."""
+"""Operator action per stage (seeds/000 Tables 6, 10 and 13)."""
 
 INTERPRETATIONS = {
     ("ok", "healthy", "improving"): "Objective improvement and structural usage are jointly consistent with safe "
@@ -64,6 +81,8 @@ INTERVENTIONS = {
     "repair": "Continue, but require repeated gates before declaring recovery.",
     "occupancy": "Investigate the narrowing of expert usage (router prior, load balance, data mix) before claiming "
     "handoff or preservation.",
+    "collapse": "Check the load-balancing loss weight, the router learning rate and its initialisation; an atlas "
+    "cannot form around dead experts.",
 }
 """Table 14: first intervention to try, by observed pattern."""
 
@@ -85,6 +104,12 @@ class GateSummary:
     margin: float | None = None
     resume: bool = False
     num_experts: int | None = None
+    c2_protected: float | None = None
+    canary_nll: float | None = None
+    vocab_size: int | None = None
+    handoff_margin: float | None = None
+    phase: str | None = None
+    """The phase a record states (replays honour it at baseline gates when policy.phase is auto)."""
     c2_delta_ci: tuple[float, float] | None = None
     dead_experts_delta_ci: tuple[float, float] | None = None
     min_entropy_delta_ci: tuple[float, float] | None = None
@@ -103,7 +128,8 @@ class GateSummary:
             if key not in data or data[key] is None:
                 raise PolicyInputError(f"field '{key}' is missing")
         values: dict[str, Any] = {}
-        for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "loss", "margin"):
+        for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "loss", "margin", "c2_protected", "canary_nll",
+                    "handoff_margin"):
             v = data.get(key)
             if v is None:
                 values[key] = None
@@ -129,9 +155,13 @@ class GateSummary:
         layers = data.get("layers", [])
         if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
             raise PolicyInputError("field 'layers' must be a list of objects")
-        num = data.get("num_experts")
+        num, vocab, phase = data.get("num_experts"), data.get("vocab_size"), data.get("phase")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
+            raise PolicyInputError(f"field 'vocab_size' must be an integer >= 2, got {vocab!r}")
+        if phase is not None and phase not in PHASES:
+            raise PolicyInputError(f"field 'phase' must be one of {', '.join(PHASES)}, got {phase!r}")
         return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
-                   **values, **cis)
+                   vocab_size=vocab, phase=phase, **values, **cis)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -158,6 +188,13 @@ class GateDecision:
     worst_layers: list[dict[str, Any]] = field(default_factory=list)
     stage_before_resume: str | None = None
     alerts: list[dict[str, Any]] = field(default_factory=list)
+    phase: str = "post_training"
+    phase_source: str = ""
+    phase_before_resume: str | None = None
+    handoff: dict[str, Any] | None = None
+    """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
+    collapse: list[str] = field(default_factory=list)
+    """Pretraining: the routed layers whose occupancy collapsed (empty when none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,7 +209,7 @@ def _trend_vs(now: float, ref: float, tol: float) -> str:
 
 
 class GatePolicy:
-    """Staged escalation over a sequence of gates (first gate, or a resume, is the baseline)."""
+    """Gates read in their lifecycle phase (first gate, or a resume, is a baseline)."""
 
     def __init__(self, config: PolicyConfig | AtlasConfig | None = None):
         if isinstance(config, AtlasConfig):
@@ -180,6 +217,9 @@ class GatePolicy:
         self.cfg = config or PolicyConfig()
         self.stage: str | None = None
         self.recover_count = 0
+        self.stable_count = 0
+        self.phase: str | None = None
+        self.phase_source = ""
         self.baseline: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -188,6 +228,9 @@ class GatePolicy:
         return {
             "stage": self.stage,
             "recover_count": self.recover_count,
+            "stable_count": self.stable_count,
+            "phase": self.phase,
+            "phase_source": self.phase_source,
             "baseline": self.baseline,
             "history": [dict(h) for h in self.history],
         }
@@ -195,8 +238,34 @@ class GatePolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage = state.get("stage")
         self.recover_count = int(state.get("recover_count", 0))
+        self.stable_count = int(state.get("stable_count", 0))
+        self.phase = state.get("phase")
+        self.phase_source = state.get("phase_source", "")
         self.baseline = state.get("baseline")
         self.history = [dict(h) for h in state.get("history", [])]
+
+    # --- phase -------------------------------------------------------------------------------
+    def _configured_phase(self) -> str | None:
+        return None if self.cfg.phase == "auto" else self.cfg.phase
+
+    @property
+    def rolls_reference(self) -> bool:
+        """True when the next gate will be read in pretraining, against the gate before it.
+
+        The gate runner then keeps the next gate's anchors and makes it the reference, so that
+        drift and paired CIs are gate-to-gate.
+        """
+        return (self._configured_phase() or self.phase) == "pretraining"
+
+    def _phase_for_baseline(self, g: GateSummary) -> tuple[str, str]:
+        if g.phase is not None:
+            return g.phase, "as recorded by the run"
+        configured = self._configured_phase()
+        if configured is not None:
+            return configured, "config: policy.phase"
+        if self.phase is not None:
+            return self.phase, self.phase_source
+        return detect_phase(g.canary_nll, g.vocab_size, self.cfg.fresh_nll_ratio)
 
     # --- reading -----------------------------------------------------------------------------
     def _occupancy(self, g: GateSummary, ref: dict[str, Any]) -> str:
@@ -249,9 +318,16 @@ class GatePolicy:
         return 0
 
     def read(self, g: GateSummary) -> GateDecision:
-        """Read one gate and advance the stage."""
-        if self.baseline is None or g.resume:
+        """Read one gate and advance the stage.
+
+        A gate is read in the phase its record states (a replayed or caught-up record), else in the
+        configured phase; a change of phase makes the gate a new baseline.
+        """
+        wanted = g.phase or self._configured_phase()
+        if self.baseline is None or g.resume or (wanted is not None and wanted != self.phase):
             return self._new_baseline(g)
+        if self.phase == "pretraining":
+            return self._read_pretraining(g)
         ref, prev = self.baseline, self.history[-1]
         c2_trend = self._c2_trend(g, ref)
         occupancy = self._occupancy(g, ref)
@@ -266,19 +342,22 @@ class GatePolicy:
         rebound = g.c2 > prev["c2"] + self.cfg.c2_tol
         repaired = self._repaired(g, prev)
         joint_recovery = status == "GREEN" or (rebound and repaired)
-        stage = self._next_stage(status, joint_recovery, rebound)
+        # Table 13: "the same occupancy pathology" is occupancy degrading at this gate and the one before;
+        # C2 worsening with healthy occupancy (Table 11, third row) never escalates on its own.
+        same_pathology = occupancy == "degrading" and prev.get("occupancy", occupancy) == "degrading"
+        stage = self._next_stage(status, joint_recovery, rebound, same_pathology)
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
             action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend),
             licensed=_licensed(g, c2_trend, occupancy, loss_trend, stage),
             unlicensed=_unlicensed(c2_trend, occupancy, stage),
             intervention=_intervention(c2_trend, occupancy, loss_trend, stage, rebound, repaired, g, prev),
-            worst_layers=_worst_layers(g, ref),
+            worst_layers=_worst_layers(g, ref), phase="post_training", phase_source=self.phase_source,
         )
-        self._remember(g, status, stage)
+        self._remember(g, status, stage, occupancy)
         return decision
 
-    def _next_stage(self, status: str, joint_recovery: bool, rebound: bool) -> str:
+    def _next_stage(self, status: str, joint_recovery: bool, rebound: bool, same_pathology: bool) -> str:
         stage = self.stage
         if stage in ("baseline", "clean"):
             self.recover_count = 0
@@ -289,39 +368,126 @@ class GatePolicy:
         self.recover_count = 0
         if stage == "recovering":
             return "revoked"
-        if stage == "revoked":
-            return "alert" if rebound else "prepare"
-        if stage == "alert":
-            return "alert" if rebound else "prepare"
+        if stage in ("revoked", "alert"):
+            if rebound:
+                return "alert"
+            return "prepare" if same_pathology else stage
         if stage == "prepare":
-            return "prepare" if rebound else "intervene"
+            return "intervene" if same_pathology and not rebound else "prepare"
         return "intervene"
+
+    def _read_pretraining(self, g: GateSummary) -> GateDecision:
+        """Table 10's first question against the previous gate: is the atlas stable, broad and not fragile?"""
+        c, ref = self.cfg, self.baseline
+        assert ref is not None
+        c2_trend = self._c2_trend(g, ref)
+        occupancy = self._occupancy(g, ref)
+        loss_trend = self._loss_trend(g)
+        moved_now = [name for name, delta, ci, tol in (
+            ("C2", g.c2 - ref["c2"], g.c2_delta_ci, c.c2_tol),
+            ("dead experts", g.dead_experts - ref["dead_experts"], g.dead_experts_delta_ci, c.dead_tol),
+            ("min entropy", g.min_entropy - ref["min_entropy"], g.min_entropy_delta_ci, c.entropy_tol),
+            ("mean CV", g.mean_cv - ref["mean_cv"], g.mean_cv_delta_ci, c.cv_tol),
+        ) if moved(delta, ci, tol, c.use_ci)]
+        self.stable_count = 0 if moved_now else self.stable_count + 1
+        collapse = collapse_reasons(g.layers, c.collapse_dead_fraction, c.collapse_effective_experts)
+        falling = None
+        if g.c2_protected is not None and ref.get("c2_protected") is not None:
+            if g.c2_protected < ref["c2_protected"] - c.c2_tol:
+                falling = (f"C2 falling on the protected layers: {ref['c2_protected']:.4f} -> {g.c2_protected:.4f} "
+                           f"since step {ref['step']}")
+        elif c2_trend == "worsening":
+            falling = f"C2 falling since step {ref['step']} ({g.c2 - ref['c2']:+.4f})"
+        reasons = readiness_reasons(stable_gates=self.stable_count, n_stable=c.n_stable, moved_now=moved_now,
+                                    ref_step=ref["step"], collapse=collapse, c2_falling=falling,
+                                    v2_failing=v2_c1_failures(g.layers))
+        stage = "collapse" if collapse else ("forming" if reasons else "ready")
+        status = "YELLOW" if collapse else "GREEN"
+        handoff = {"ready": not reasons, "stable_gates": self.stable_count, "n_stable": c.n_stable,
+                   "margin": g.handoff_margin, "reference_step": ref["step"], "reasons": reasons}
+        decision = GateDecision(
+            step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
+            action=ACTIONS[stage], interpretation=_pretraining_interpretation(stage, collapse, c.n_stable),
+            licensed=_pretraining_licensed(loss_trend, stage),
+            unlicensed=_pretraining_unlicensed(reasons),
+            intervention=INTERVENTIONS["collapse"] if collapse else None,
+            worst_layers=_worst_layers(g, ref), phase="pretraining", phase_source=self.phase_source,
+            handoff=handoff, collapse=collapse,
+        )
+        self.baseline = _reference(g)
+        self._remember(g, status, stage, occupancy)
+        return decision
 
     def _new_baseline(self, g: GateSummary) -> GateDecision:
         before = self.stage if g.resume else None
-        self.baseline = {"step": g.step, "c2": g.c2, "dead_experts": g.dead_experts, "min_entropy": g.min_entropy,
-                         "mean_cv": g.mean_cv, "loss": g.loss, "margin": g.margin,
-                         "layers": [{k: lay.get(k) for k in ("name", "ordinal", "c2", "dead_experts")} for lay in g.layers]}
+        phase_before = self.phase
+        self.phase, self.phase_source = self._phase_for_baseline(g)
+        self.baseline = _reference(g)
         self.recover_count = 0
-        self._remember(g, "BASELINE", "baseline")
+        self.stable_count = 0
+        self._remember(g, "BASELINE", "baseline", "healthy")
         licensed = ["This is the state of the atlas at this step (a new reference point)."]
         if g.resume:
             licensed.append("Operational recovery: the resumed run is measurable.")
+        handoff = None
+        if self.phase == "pretraining":
+            handoff = {"ready": False, "stable_gates": 0, "n_stable": self.cfg.n_stable, "margin": None,
+                       "reference_step": None, "reasons": ["a new reference: no earlier gate to compare with yet"]}
         return GateDecision(
             step=g.step, status="BASELINE", stage="baseline", c2_trend="stable", occupancy="healthy",
             loss_trend="unknown", action=ACTIONS["baseline"],
-            interpretation="New baseline: preservation is untested until the next gate.",
+            interpretation="New baseline: preservation is untested until the next gate." if self.phase == "post_training"
+            else "New reference in pretraining: the atlas is forming; the next gate is compared with this one.",
             licensed=licensed,
             unlicensed=["Any preservation claim about what happened after this baseline (untested until the next gate)."],
             intervention=INTERVENTIONS["resume"] if g.resume else None,
-            stage_before_resume=before,
+            stage_before_resume=before, phase=self.phase, phase_source=self.phase_source,
+            phase_before_resume=phase_before if phase_before not in (None, self.phase) else None, handoff=handoff,
         )
 
-    def _remember(self, g: GateSummary, status: str, stage: str) -> None:
+    def _remember(self, g: GateSummary, status: str, stage: str, occupancy: str) -> None:
         self.stage = stage
         self.history.append({"step": g.step, "status": status, "stage": stage, "c2": g.c2,
                              "dead_experts": g.dead_experts, "min_entropy": g.min_entropy, "mean_cv": g.mean_cv,
-                             "loss": g.loss})
+                             "loss": g.loss, "occupancy": occupancy, "phase": self.phase})
+
+
+def _reference(g: GateSummary) -> dict[str, Any]:
+    """What later gates are read against: the summaries and the per-layer C2 of one gate."""
+    return {"step": g.step, "c2": g.c2, "dead_experts": g.dead_experts, "min_entropy": g.min_entropy,
+            "mean_cv": g.mean_cv, "loss": g.loss, "margin": g.margin, "c2_protected": g.c2_protected,
+            "layers": [{k: lay.get(k) for k in ("name", "ordinal", "c2", "dead_experts")} for lay in g.layers]}
+
+
+def _pretraining_interpretation(stage: str, collapse: list[str], n_stable: int) -> str:
+    if stage == "collapse":
+        return ("Occupancy collapse during pretraining (" + "; ".join(collapse) + "): routing concentrates on a few "
+                "experts, and an atlas cannot form around dead experts.")
+    if stage == "ready":
+        return (f"Stable baseline for {n_stable} gates, healthy occupancy, and protected-layer overlaps that are not "
+                "fragile: Table 10's handoff criteria hold on this canary.")
+    return ("The atlas is forming: each gate is read against the previous one; preservation verdicts and escalation "
+            "are off in pretraining, and the question is whether handoff is licensed yet.")
+
+
+def _pretraining_licensed(loss: str, stage: str) -> list[str]:
+    out = []
+    if loss == "improving":
+        out.append("The objective improved on the visited region (loss / State3).")
+    if stage != "collapse":
+        out.append("No occupancy collapse: every routed layer stays above the collapse floors (occupancy).")
+    if stage == "ready":
+        out.append("Handoff readiness on this canary (Table 10): stable atlas, healthy occupancy, protected-layer "
+                   "overlaps not fragile.")
+    return out
+
+
+def _pretraining_unlicensed(reasons: list[str]) -> list[str]:
+    out = ["Preservation of the atlas: in pretraining there is nothing to preserve yet (the reference rolls forward).",
+           "Global routed health from State1 margins alone (the margin trap)."]
+    if reasons:
+        out.append("Handoff readiness: " + "; ".join(reasons) + ".")
+    return out
 
 
 def _interpretation(c2_trend: str, occupancy: str, loss: str) -> str:

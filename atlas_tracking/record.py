@@ -28,12 +28,13 @@ import math
 from typing import Any
 
 STATUS_CODES = {"BASELINE": 0, "GREEN": 1, "YELLOW": 2, "RED": 3}
-STAGE_CODES = {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5, "intervene": 6}
+STAGE_CODES = {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5, "intervene": 6,
+               "forming": 7, "ready": 8, "collapse": 9}
 
 SUMMARY_METRICS = (
     "c2", "c2_min", "c2_protected", "dead_experts", "dead_experts_max", "experts_active", "min_entropy",
     "mean_entropy", "mean_cv", "max_cv", "margin", "ov_cf", "transition_incompat", "canary_nll",
-    "v2_c1_pass_layers", "v2_c2_pass_layers", "loss",
+    "v2_c1_pass_layers", "v2_c2_pass_layers", "loss", "ov_cf_terminal_jump", "ov_cf_adjacent_jump",
 )
 """Cross-layer summaries logged at every gate (bounded: independent of depth)."""
 
@@ -44,6 +45,11 @@ LAYER_METRICS = ("c2", "dead_experts", "router_entropy", "load_cv", "margin_mean
 """Per-layer receipts logged at every gate (one key per routed layer each)."""
 
 DRIFT_METRICS = ("handoff_margin", "refine_margin")
+
+CLIFF_FIELDS = ("ov_cf_terminal_jump_ci", "ov_cf_adjacent_jump_ci", "ov_cf_terminal_ordinal", "ov_cf_cliff_ordinal",
+                "ov_cf_cliff_note")
+"""The terminal cliff of ``ov_cf`` (:mod:`atlas_tracking.receipts.cliff`) kept in the record beside its jumps;
+the depth profile is the layers' ``ov_cf``."""
 
 LAYER_FIELDS = (
     "c2", "dead_experts", "experts_active", "router_entropy", "load_cv", "pi_min", "margin_mean",
@@ -79,7 +85,7 @@ def gate_record(
         r = layer["receipts"]
         entry: dict[str, Any] = {
             "name": layer["name"], "index": layer["index"], "ordinal": layer["ordinal"],
-            "protected": layer["protected"],
+            "protected": layer["protected"], "num_experts": layer.get("num_experts"), "top_k": layer.get("top_k"),
         }
         entry.update({k: r.get(k) for k in LAYER_FIELDS if k in r})
         d = drift_layers.get(layer["name"])
@@ -96,6 +102,7 @@ def gate_record(
         "canary_fingerprint": report.canary["fingerprint"],
         "layers": layers,
     }
+    record.update({k: s[k] for k in CLIFF_FIELDS if k in s})
     if report.drift is not None:
         record["handoff_margin"] = report.drift["handoff_margin"]
         record["refine_margin"] = report.drift["refine_margin"]
@@ -119,6 +126,8 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
             out[f"atlas/{METRIC_NAMES.get(key, key)}"] = v
     if _num(record.get("gate_seconds")) is not None:
         out["atlas/gate_seconds"] = float(record["gate_seconds"])
+    if record.get("ov_cf_terminal_ordinal") is not None:
+        out["atlas/ov_cf_cliff_off_terminal"] = float(record.get("ov_cf_cliff_note") is not None)
     if record.get("status") in STATUS_CODES:
         out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
     if record.get("stage") in STAGE_CODES:

@@ -51,6 +51,29 @@ th{background:#f4f4f4}img{max-width:100%;display:block;margin:1em 0}.claims li{m
 .status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"""
 
 
+def cliff_text(d: dict[str, Any], profile: list[Any]) -> str:
+    """One sentence on the terminal cliff of ``ov_cf`` (:mod:`atlas_tracking.receipts.cliff`) from a record or a
+    receipts summary, and the note when the dominant cliff is not at the terminal routed layer.
+
+    >>> cliff_text({"ov_cf_terminal_jump": -0.39, "ov_cf_terminal_jump_ci": [-0.41, -0.37], "ov_cf_terminal_ordinal": 2,
+    ...             "ov_cf_adjacent_jump": -0.4, "ov_cf_adjacent_jump_ci": [-0.42, -0.38]}, [0.8, 0.7, 0.3])
+    'ov_cf depth profile [0.8, 0.7, 0.3]; terminal jump (layer 2 minus the band before it) -0.39 CI [-0.41, -0.37]; adjacent jump -0.4 CI [-0.42, -0.38].'
+    """
+    def num(x: Any) -> str:
+        return "-" if x is None else f"{x:.3g}"
+
+    def ci(x: Any) -> str:
+        return f"[{num(x[0])}, {num(x[1])}]" if x else "[-, -]"
+
+    if d.get("ov_cf_terminal_ordinal") is None:
+        return "ov_cf depth profile: fewer than two routed layers, no terminal jump."
+    text = (f"ov_cf depth profile [{', '.join(num(v) for v in profile)}]; terminal jump (layer "
+            f"{d['ov_cf_terminal_ordinal']} minus the band before it) {num(d.get('ov_cf_terminal_jump'))} CI "
+            f"{ci(d.get('ov_cf_terminal_jump_ci'))}; adjacent jump {num(d.get('ov_cf_adjacent_jump'))} CI "
+            f"{ci(d.get('ov_cf_adjacent_jump_ci'))}.")
+    return text + (f" Note: {d['ov_cf_cliff_note']}." if d.get("ov_cf_cliff_note") else "")
+
+
 def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, bytes]]:
     """The HTML page and its figures for a run's gate records."""
     last = recs[-1]
@@ -74,6 +97,8 @@ stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('a
 <h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
 <h2>Dead experts</h2>{_img(figures['dead_experts.png'], 'dead experts per gate')}
 <h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
+<h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
+sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
 <h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
 <h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
 <b>Not licensed</b><ul>{unlicensed}</ul><b>First intervention:</b> {html.escape(str(last.get('intervention')))}</div>
@@ -87,7 +112,8 @@ def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, byte
     figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
     keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
     rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
-    body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}"
+    cliff = html.escape(cliff_text(data["summary"], data["summary"].get("ov_cf_profile") or []))
+    body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}<p>{cliff}</p>"
             f"{_table(['layer', *keys], rows)}<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
     return _page(title, body), figures
 

@@ -90,6 +90,8 @@ def workspace_sections(n_layers: int) -> list[SectionSpec]:
             _line("layers passing V2 C1 / V2 C2", "v2_c1_pass_layers", "v2_c2_pass_layers"),
             _line("transition incompatibility (median over the boundary set)", "transition_incompat"),
             _line("routing self-consistency ov_cf", "ov_cf"),
+            _line("ov_cf terminal cliff: last routed layer minus the band before it / minus the layer before it",
+                  "ov_cf_terminal_jump", "ov_cf_adjacent_jump"),
             _line("State1 set margin (decisiveness, not health)", "margin"),
             _line("canary NLL", "canary_nll"),
         )),

@@ -31,3 +31,6 @@ def tiny_canary() -> Canary:
 
 
 QUIET = {"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64}}
+POST_TRAINING = {**QUIET, "policy": {"phase": "post_training"}}
+"""Gates read against the step-0 baseline (a random tiny model is read in pretraining by default, where the
+reference rolls forward gate to gate)."""

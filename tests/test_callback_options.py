@@ -12,8 +12,8 @@ import pytest
 from atlas_tracking.integrations.lightning import AtlasCallback
 from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
 
-LENIENT = {**QUIET, "policy": {"c2_tol": 1.0, "dead_tol": 100.0, "entropy_tol": 10.0, "cv_tol": 1000.0}}
-STRICT = {**QUIET, "policy": {"c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
+LENIENT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 1.0, "dead_tol": 100.0, "entropy_tol": 10.0, "cv_tol": 1000.0}}
+STRICT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
 
 
 def _fit(tmp_path, callbacks, steps=40):

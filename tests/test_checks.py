@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from atlas_tracking.integrations.lightning import AtlasCallback
-from lightning_helpers import PROSE, QUIET, tiny_canary, tiny_data, tiny_module
+from lightning_helpers import POST_TRAINING, PROSE, QUIET, tiny_canary, tiny_data, tiny_module
 from moe_lightning import MoELM
 
 from atlas_tracking import Canary, CanaryError
@@ -116,7 +116,7 @@ def test_missing_loss_key_is_a_warning_naming_the_metrics_never_the_training_los
 
 def test_validate_and_test_run_a_gate_outside_the_history(tmp_path):
     train, val = tiny_data(20)
-    cb = AtlasCallback(canary=tiny_canary(), config=QUIET, loss_key=None)
+    cb = AtlasCallback(canary=tiny_canary(), config=POST_TRAINING, loss_key=None)
     trainer = _trainer(tmp_path, 20, [cb])
     module = _val_ce()
     trainer.fit(module, train, val)
@@ -148,10 +148,10 @@ def test_validate_from_a_checkpoint_reads_against_that_runs_state(tmp_path):
 
     train, val = tiny_data(20)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10)
-    _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET), ckpt],
+    _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=POST_TRAINING), ckpt],
              enable_checkpointing=True).fit(tiny_module(), train, val)
     history = _records(tmp_path)
-    trainer = _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=QUIET)])
+    trainer = _trainer(tmp_path, 20, [AtlasCallback(canary=tiny_canary(), config=POST_TRAINING)])
     trainer.validate(tiny_module(seed=3), val, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     (evaluation,) = _records(tmp_path, "evaluations.jsonl")
     assert evaluation["step"] == 20 and evaluation["baseline_step"] == 0 and evaluation["status"] != "BASELINE"

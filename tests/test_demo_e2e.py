@@ -1,4 +1,11 @@
-"""The main job, shortened: loss improves while the atlas degrades; the control stays clean; the report renders."""
+"""The main job, shortened: what the demo is for, on three seeds, not one machine's exact stage path.
+
+Pretraining from random weights reads ``pretraining`` (no YELLOW/RED, no WARN/ERROR stage alert,
+handoff readiness on every gate); the control continuation stays GREEN / clean after its resume
+baseline; the stressed run improves its loss while C2, dead experts, entropy and CV degrade, and
+reaches intervene with a WARN before an ERROR. Seed 0 runs with the trackers and the report; two
+more seeds run bare.
+"""
 
 from __future__ import annotations
 
@@ -7,55 +14,112 @@ import os
 import shutil
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def demo_out(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1200)
+def _demo(out: Path, *args: str) -> Path:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(out), *args],
+                          env=ENV, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
-@pytest.mark.slow
-def test_stressed_run_decouples_loss_from_the_atlas(demo_out):
-    recs = [json.loads(x) for x in (demo_out / "stressed" / "atlas" / "gates.jsonl").read_text().splitlines()]
+def _records(out: Path, run: str) -> list[dict]:
+    return [json.loads(x) for x in (out / run / "atlas" / "gates.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory) -> Path:
+    return _demo(tmp_path_factory.mktemp("demo"))
+
+
+def stage_alerts(recs: list[dict]) -> list[str]:
+    return [a["level"] for r in recs for a in r["alerts"] if a["key"].startswith("stage:")]
+
+
+def check_pretraining(out: Path) -> None:
+    recs = _records(out, "healthy")
+    pre = recs[: next(i for i, r in enumerate(recs) if r.get("resume"))]
+    assert pre[0]["step"] == 0 and pre[0]["status"] == "BASELINE"
+    assert pre[0]["phase_source"].startswith("detected at the first gate") and "freshly initialised" in pre[0][
+        "phase_source"]
+    assert len(pre) >= 3 and all(r["phase"] == "pretraining" for r in pre)
+    assert [r["status"] for r in pre[1:]] == ["GREEN"] * (len(pre) - 1)
+    assert not set(stage_alerts(pre)) & {"WARN", "ERROR"}
+    assert all(r["stage"] in ("forming", "ready") for r in pre[1:])
+    for prev, r in pairwise(pre):  # the reference rolls forward: each gate against the one before
+        assert r["baseline_step"] == prev["step"] and r["handoff"]["reference_step"] == prev["step"]
+        assert isinstance(r["handoff"]["ready"], bool) and isinstance(r["handoff"]["margin"], float)
+        assert r["handoff"]["ready"] == (r["handoff"]["reasons"] == [])
+    assert pre[-1]["loss"] < pre[1]["loss"]
+
+
+def check_control(out: Path) -> None:
+    recs = _records(out, "healthy")
+    resumed = [i for i, r in enumerate(recs) if r.get("resume")]
+    assert len(resumed) == 1
+    base = recs[resumed[0]]
+    assert (base["status"], base["phase"], base["phase_before_resume"]) == ("BASELINE", "post_training", "pretraining")
+    after = recs[resumed[0] + 1 :]
+    assert len(after) == 2 and all((r["status"], r["stage"]) == ("GREEN", "clean") for r in after)
+    assert all(r["baseline_step"] == base["step"] and r["phase"] == "post_training" for r in after)
+    assert stage_alerts(after) == []
+
+
+def check_stressed(out: Path) -> None:
+    recs = _records(out, "stressed")
     base, post = recs[0], recs[1:]
-    assert base["status"] == "BASELINE" and base["step"] == 0
+    assert base["status"] == "BASELINE" and base["step"] == 0 and base["phase"] == "post_training"
+    assert "a trained model" in base["phase_source"]
     assert post[-1]["loss"] < post[0]["loss"]
     assert post[-1]["c2"] < base["c2"] and post[-1]["dead_experts"] > base["dead_experts"]
     assert post[-1]["min_entropy"] < base["min_entropy"] and post[-1]["mean_cv"] > base["mean_cv"]
-    stages = [r["stage"] for r in post]
-    assert stages[0] == "revoked" and stages[-1] == "intervene"
+    assert "intervene" in [r["stage"] for r in post]
     assert all(r["status"] in ("YELLOW", "RED") for r in post)
-    levels = [a["level"] for r in post for a in r["alerts"] if a["key"].startswith("stage:")]
-    assert levels[:2] == ["WARN", "ERROR"]
+    levels = stage_alerts(post)
+    assert levels[0] == "WARN" and "ERROR" in levels
+
+
+@pytest.mark.slow
+def test_pretraining_from_random_weights_reads_forming_with_handoff_readiness(demo_out):
+    check_pretraining(demo_out)
+    text = (demo_out / "stdout.txt").read_text()
+    assert "== handoff readiness at the end of pretraining" in text
+
+
+@pytest.mark.slow
+def test_stressed_run_decouples_loss_from_the_atlas(demo_out):
+    check_stressed(demo_out)
     assert "decoupling in the stressed run" in (demo_out / "stdout.txt").read_text()
 
 
 @pytest.mark.slow
 def test_control_continuation_stays_clean_after_its_resume_baseline(demo_out):
-    recs = [json.loads(x) for x in (demo_out / "healthy" / "atlas" / "gates.jsonl").read_text().splitlines()]
-    resumed = [i for i, r in enumerate(recs) if r.get("resume")]
-    assert len(resumed) == 1 and recs[resumed[0]]["status"] == "BASELINE"
-    after = recs[resumed[0] + 1 :]
-    assert after and all((r["status"], r["stage"]) == ("GREEN", "clean") for r in after)
-    assert all(r["baseline_step"] == recs[resumed[0]]["step"] for r in after)
+    check_control(demo_out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [6, 7])
+def test_other_seeds_read_the_same(seed, tmp_path):
+    out = _demo(tmp_path, "--seed", str(seed), "--no-trackers", "--no-extras")
+    check_pretraining(out)
+    check_control(out)
+    check_stressed(out)
 
 
 @pytest.mark.slow
 def test_trackers_hold_the_gates(demo_out):
     summary = json.loads((demo_out / "summary.json").read_text())["trackers"]
-    assert summary["mlflow/stressed"][0]["atlas.stage"] == "intervene"
-    assert summary["wandb/stressed"][0]["atlas_rows"] == 6
+    stressed = _records(demo_out, "stressed")
+    assert summary["mlflow/stressed"][0]["atlas.stage"] == stressed[-1]["stage"]
+    assert summary["wandb/stressed"][0]["atlas_rows"] == len(stressed)
     assert any("intervene" in t for t in summary["wandb/stressed"][0]["alerts"])
 
 

@@ -17,6 +17,7 @@ from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.capture import FIELD_ROWS_BUDGET
 from atlas_tracking.gate_report import verify
 from atlas_tracking.measure import build_report, measure_partial
+from atlas_tracking.selfcheck import SelfCheck
 
 CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "batch_windows": 2, "anchors": 32}})
 
@@ -171,7 +172,8 @@ def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, can
 def test_a_gate_is_one_forward_pass(model, canary, mode):
     """Counts calls, not seconds: one model forward per micro-batch; per layer, the experts are called as often
     as keeps each call within the forward's own expert rows (N k), the competitors and anchors riding along
-    in the last call; with a large ``token_chunk`` that is one call."""
+    in the last call; with a large ``token_chunk`` that is one call. The adapter self-check adds two calls per
+    layer and gate, on a few tokens."""
     cfg = CFG if mode != "one call per layer" else AtlasConfig.from_dict(
         {"receipts": {**CFG.to_dict()["receipts"], "token_chunk": 1 << 20}})
     baseline = Baseline.from_report(measure(model, canary, config=cfg)) if mode == "with drift" else None
@@ -200,7 +202,8 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
     per_call = [cfg.receipts.token_chunk or max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1) for n in tokens]
     expected = sum(math.ceil(n / c) for n, c in zip(tokens, per_call)) * len(layers)
     assert expected == len(batches) * len(layers)  # a narrow model: one call per layer and micro-batch
-    assert calls["experts"] == expected
+    # plus, per layer and gate, the adapter self-check's two calls on SAMPLE_TOKENS tokens (fields, experts' own)
+    assert calls["experts"] == expected + 2 * len(layers)
 
 
 def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model, canary, monkeypatch):
@@ -218,6 +221,8 @@ def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model
         return original(self, hidden_states, *a, **kw)
 
     monkeypatch.setattr(capture, "FIELD_ROWS_BUDGET", 1)
+    # only the capture's field calls are counted here: the self-check's own two calls are left out
+    monkeypatch.setattr(SelfCheck, "_expert_checks", lambda self, *a: torch.float32)
     monkeypatch.setattr(type(layers[0].experts), "forward", counting)
     chunked = measure(model, canary, config=CFG)
     n, k = CFG.receipts.batch_windows * canary.window, layers[0].top_k

@@ -20,7 +20,7 @@ from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
 
 from atlas_tracking.record import gate_metrics
 
-STRICT = {**QUIET, "policy": {"c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
+STRICT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
 """Zero tolerances: the first post-baseline gate reads bad, so the run enters revoked (an alert)."""
 
 
@@ -248,7 +248,8 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
                "atlas/experts_active", "atlas/min_entropy", "atlas/mean_entropy", "atlas/mean_cv_pct", "atlas/max_cv_pct",
                "atlas/margin", "atlas/ov_cf", "atlas/transition_incompat", "atlas/canary_nll",
                "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code",
-               "atlas/gate_seconds"]
+               "atlas/gate_seconds", "atlas/ov_cf_terminal_jump", "atlas/ov_cf_adjacent_jump",
+               "atlas/ov_cf_cliff_off_terminal"]
     baseline_keys = sorted(summary + layer_keys)
     drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin"]
                         + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")])

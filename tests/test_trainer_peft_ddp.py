@@ -13,6 +13,7 @@ from gloo_workers import run_workers
 from receipt_tolerance import assert_within_tolerance
 from trainer_helpers import (
     DDP_CONFIG,
+    POST_TRAINING,
     QUIET,
     ddp_fit,
     lora_model,
@@ -48,7 +49,7 @@ def _lora_fit(tmp_path, target: str):
     train, val = tiny_sets(6)
     out = tmp_path / "out"
     trainer = Trainer(peft_model, args=trainer_args(out, 6, eval_steps=3, learning_rate=1e-2), train_dataset=train,
-                      eval_dataset=val, callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)])
+                      eval_dataset=val, callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
     trainer.train()
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, AtlasTrainerCallback))
     assert [layer.name for layer in callback.gate.layers] == [f"{PEFT_PREFIX}model.layers.{i}.mlp" for i in (0, 1)]

@@ -14,7 +14,7 @@ from atlas_tracking.integrations.transformers import TRAINER_STEP_KEY, AtlasTrai
 from atlas_tracking.integrations.wandb_workspace import build_workspace, logged_keys, workspace_sections
 from mlflow.tracking import MlflowClient
 from trainer_helpers import (
-    QUIET,
+    POST_TRAINING,
     finish_trackers,
     model_from_checkpoint,
     records,
@@ -32,7 +32,7 @@ from atlas_tracking import Canary, CanaryError, NoRoutedLayersError
 warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*")
 
 RULE = "canary NLL measured"
-ALERTING = {**QUIET, "alerts": {"rules": [{"name": RULE, "metric": "canary_nll", "op": ">", "value": 0.0,
+ALERTING = {**POST_TRAINING, "alerts": {"rules": [{"name": RULE, "metric": "canary_nll", "op": ">", "value": 0.0,
                                            "level": "INFO"}]}}
 """A threshold rule that fires at every gate: every gate carries an alert to deliver."""
 
@@ -154,12 +154,12 @@ def test_resume_continues_one_history_with_the_default_and_with_restored_callbac
     reads its state from the checkpoint's trainer_state.json) and new tracker runs; then resume from the older
     checkpoint-5 with ``restore_callback_states_from_checkpoint=True`` (the Trainer re-creates the callback)."""
     out = tmp_path / "out"
-    _fit(out, 10, AtlasTrainerCallback(canary=tiny_canary(), config=QUIET))
+    _fit(out, 10, AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING))
     before = records(out)
     assert [r["step"] for r in before] == [0, 5, 10]
 
     use_trackers(monkeypatch, tmp_path)
-    mine = AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)
+    mine = AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)
     try:
         trainer = _fit(out, 20, mine, resume=out / "checkpoint-10", report_to=["wandb", "mlflow"])
     finally:
@@ -191,7 +191,7 @@ def test_resume_continues_one_history_with_the_default_and_with_restored_callbac
     assert saved["args"]["canary"].endswith(".npz") and saved["args"]["out_dir"] is None
     assert Canary.load(saved["args"]["canary"]) == tiny_canary()
     assert saved["attributes"]["atlas_state"]["gate"]["lineage"][-1][0] == 5
-    passed = AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)
+    passed = AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)
     trainer = _fit(out, 10, passed, resume=out / "checkpoint-5", restore_callback_states_from_checkpoint=True)
     (recreated,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, AtlasTrainerCallback)]
     assert recreated is not passed and recreated.resume_counts["moved_aside"] == 3
@@ -208,7 +208,7 @@ def test_one_gate_per_evaluation_step_with_eval_on_start_and_two_eval_datasets(t
     out = tmp_path / "out"
     train, val = tiny_sets(8)
     _, other = tiny_sets(8, seed=5)
-    cfg = {**QUIET, "gate": {"every_n_validations": 2}}
+    cfg = {**POST_TRAINING, "gate": {"every_n_validations": 2}}
     trainer = Trainer(tiny_model(), args=trainer_args(out, 8, eval_steps=2, eval_on_start=True),
                       train_dataset=train, eval_dataset={"prose": val, "other": other},
                       callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=cfg, loss_key="eval_other_loss")])
@@ -229,7 +229,7 @@ def test_without_eval_strategy_one_warning_and_training_goes_on(tmp_path):
     out = tmp_path / "out"
     train, _ = tiny_sets(4)
     trainer = Trainer(tiny_model(), args=trainer_args(out, 4, eval_strategy="no"), train_dataset=train,
-                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)])
+                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
     with pytest.warns(UserWarning, match="eval_strategy is 'no': the Trainer never evaluates") as caught:
         trainer.train()
     assert sum("atlas" in str(w.message) for w in caught) == 1
@@ -241,7 +241,7 @@ def test_missing_eval_loss_is_a_warning_naming_the_metrics(tmp_path):
     train, val = tiny_sets(4)
     unlabeled = [{"input_ids": val[i]["input_ids"]} for i in range(len(val))]
     trainer = Trainer(tiny_model(), args=trainer_args(out, 4, eval_steps=2), train_dataset=train,
-                      eval_dataset=unlabeled, callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)])
+                      eval_dataset=unlabeled, callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
     with pytest.warns(UserWarning, match=r"no evaluation loss for the gate: any of eval_loss is not among the logged "
                                          r"metrics \[epoch, eval_runtime, .*AtlasTrainerCallback\(loss_key=\.\.\.\)"):
         trainer.train()
@@ -261,7 +261,7 @@ def test_failing_gate_never_stops_training(tmp_path):
 
     out = tmp_path / "out"
     train, val = tiny_sets(4)
-    cfg = {**QUIET, "gate": {"baseline_at_start": False}}
+    cfg = {**POST_TRAINING, "gate": {"baseline_at_start": False}}
     trainer = Trainer(tiny_model(), args=trainer_args(out, 4, eval_steps=2), train_dataset=train, eval_dataset=val,
                       callbacks=[Broken(canary=tiny_canary(), config=cfg)])
     with pytest.warns(UserWarning, match="atlas gate at step 2 failed and was skipped: RuntimeError: forward failed"):
@@ -277,7 +277,7 @@ def test_model_without_routed_layers_is_one_clear_error_before_training(tmp_path
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     train, val = tiny_sets(4)
     trainer = Trainer(dense, args=trainer_args(tmp_path, 4), train_dataset=train, eval_dataset=val,
-                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)])
+                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
     with pytest.raises(NoRoutedLayersError, match="no routed MoE layer found in Qwen3ForCausalLM"):
         trainer.train()
     assert trainer.state.global_step == 0 and not (tmp_path / "atlas").exists()
@@ -288,7 +288,7 @@ def test_canary_longer_than_the_context_is_one_clear_error_before_training(tmp_p
     model.config.max_position_embeddings = 16
     train, val = tiny_sets(4)
     trainer = Trainer(model, args=trainer_args(tmp_path, 4), train_dataset=train, eval_dataset=val,
-                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=QUIET)])
+                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
     with pytest.raises(CanaryError, match=r"canary window length 32 exceeds the model's context "
                                           r"\(config.max_position_embeddings=16\)"):
         trainer.train()
@@ -296,7 +296,7 @@ def test_canary_longer_than_the_context_is_one_clear_error_before_training(tmp_p
 
 
 def test_callback_state_is_json_and_carries_no_secret(tmp_path):
-    cfg = {**QUIET, "alerts": {"webhook_url": "http://127.0.0.1:9/secret-abc"}}
+    cfg = {**POST_TRAINING, "alerts": {"webhook_url": "http://127.0.0.1:9/secret-abc"}}
     cb = AtlasTrainerCallback(canary=tiny_canary(), config=cfg)
     train, val = tiny_sets(4)
     with pytest.warns(UserWarning, match="webhook did not receive alert"):  # nothing listens on port 9

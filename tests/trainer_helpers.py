@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning_helpers import PROSE, QUIET, tiny_canary
+from lightning_helpers import POST_TRAINING, PROSE, QUIET, tiny_canary
 from moe_lightning import build_qwen3_moe
 from torch.utils.data import Dataset
 
@@ -90,6 +90,7 @@ def finish_trackers() -> None:
     """End the runs the Trainer's integrations leave open (W&B) or may leave open (MLflow), and reset W&B's
     process-wide settings so that the next run reads ``WANDB_DIR`` again."""
     import mlflow
+
     import wandb
 
     if wandb.run is not None:
@@ -122,7 +123,7 @@ def lora_model(target: str, seed: int = 0):
     return get_peft_model(tiny_model(seed=seed), LoraConfig(r=4, lora_alpha=8, **LORA_TARGETS[target]))
 
 
-DDP_CONFIG = {**QUIET, "receipts": {**QUIET["receipts"], "batch_windows": 2}}
+DDP_CONFIG = {**POST_TRAINING, "receipts": {**QUIET["receipts"], "batch_windows": 2}}
 """Two canary windows per micro-batch: the 8-window canary is measured 2 micro-batches per process on 2 processes."""
 
 

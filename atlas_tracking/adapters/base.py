@@ -3,7 +3,9 @@
 A family adapter explains one kind of routed MoE block to the engine: where its pre-norm,
 router and experts are, how to turn the router's output into exact selection scores, the
 full routing distribution, the active set and weights, and how to evaluate any expert
-unweighted. Adding a family is one small entry (``register_family``).
+unweighted. Adding a family is one small entry (``register_family``). This module imports
+no family: the built-in ones (the transformers table in ``adapters/families.py``, and the
+integrations) register themselves when ``atlas_tracking.adapters`` is imported.
 """
 
 from __future__ import annotations
@@ -157,26 +159,26 @@ class RoutedLayer:
 
 
 Factory = Callable[[str, int, nn.Module, nn.Module], "RoutedLayer | None"]
-"""(block name, decoder layer index, block module, parent module) -> RoutedLayer or None."""
+"""(block name, decoder layer index, block module, parent module) -> RoutedLayer or None (not this family)."""
 
 _REGISTRY: dict[str, tuple[str, Factory]] = {}
+RECIPE = "README.md, 'Your own MoE module'"
+"""Where the recipe for registering a hand-written MoE lives (named in discovery errors)."""
+_MOE_LOOKING = ("moe", "expert", "router", "sparse", "topk", "gating")
 
 
 def register_family(block_class_name: str, family: str, factory: Factory) -> None:
-    """Register an adapter factory for MoE blocks whose class is named ``block_class_name``."""
+    """Register an adapter factory for MoE blocks whose class is named ``block_class_name``.
+
+    The name may be qualified with its module (``"torchtitan.models.moe.moe.MoE"``) to tell apart
+    frameworks whose blocks share a class name; a qualified entry is tried before a plain one.
+    """
     _REGISTRY[block_class_name] = (family, factory)
 
 
 def registered_families() -> dict[str, str]:
     """Block class name -> family name, for every registered adapter."""
-    _load_builtin_families()
     return {cls: fam for cls, (fam, _) in _REGISTRY.items()}
-
-
-def _load_builtin_families() -> None:
-    """Register the built-in families (these modules import no framework; they match class names)."""
-    from atlas_tracking.adapters import hf  # noqa: F401
-    from atlas_tracking.integrations import autoep, deepspeed, megatron  # noqa: F401
 
 
 def _layer_index(name: str) -> int:
@@ -186,28 +188,55 @@ def _layer_index(name: str) -> int:
     return -1
 
 
-def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+def _factories(module: nn.Module) -> list[Factory]:
+    cls = type(module)
+    keys = (f"{cls.__module__}.{cls.__name__}", cls.__name__)
+    return [_REGISTRY[key][1] for key in keys if key in _REGISTRY]
+
+
+def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module, list[Factory]]]:
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        if type(module).__name__ in _REGISTRY:
+        factories = _factories(module)
+        if factories:
             parent_name = name.rsplit(".", 1)[0] if "." in name else ""
-            yield name, module, modules.get(parent_name, model)
+            yield name, module, modules.get(parent_name, model), factories
+
+
+def moe_looking_modules(model: nn.Module, limit: int = 8) -> list[str]:
+    """``name (Class)`` of modules that look like MoE blocks (an ``experts`` child, or an MoE-ish class name),
+    one per class, outermost first; the discovery error lists them."""
+    seen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in seen or not name:
+            continue
+        if hasattr(module, "experts") or any(word in cls.lower() for word in _MOE_LOOKING):
+            seen[cls] = f"{name} ({cls})"
+    found = list(seen.values())
+    return found[:limit] + ([f"... {len(found) - limit} more classes"] if len(found) > limit else [])
 
 
 def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
-    """Every routed MoE layer of ``model`` in forward order; a clear error if there is none."""
-    _load_builtin_families()
+    """Every routed MoE layer of ``model`` in forward order; a clear error if there is none.
+
+    The error lists the MoE-looking modules it saw, so a hand-written MoE can be registered
+    (``atlas_tracking.register_family``; see the recipe in the README).
+    """
     layers: list[RoutedLayer] = []
-    for name, block, parent in _iter_blocks(model):
-        _, factory = _REGISTRY[type(block).__name__]
-        layer = factory(name, _layer_index(name), block, parent)
-        if layer is not None:
-            layers.append(layer)
+    for name, block, parent, factories in _iter_blocks(model):
+        for factory in factories:
+            layer = factory(name, _layer_index(name), block, parent)
+            if layer is not None:
+                layers.append(layer)
+                break
     if not layers:
-        searched = ", ".join(sorted(_REGISTRY))
+        looked = moe_looking_modules(model)
+        seen = f"; MoE-looking modules it saw: {', '.join(looked)}" if looked else "; it saw no MoE-looking module"
         raise NoRoutedLayersError(
             f"no routed MoE layer found in {type(model).__name__}: searched for modules of classes "
-            f"[{searched}]; register an adapter with atlas_tracking.register_family"
+            f"[{', '.join(sorted(_REGISTRY))}]{seen}. To read your own MoE block, register an adapter with "
+            f"atlas_tracking.register_family (recipe: {RECIPE})"
         )
     for i, layer in enumerate(layers):
         layer.ordinal = i

@@ -1,126 +1,248 @@
-"""Adapters for transformers 5.x MoE families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS.
+"""The transformers family adapter: one :class:`HFLayer` reads any row of the family table.
 
-These blocks sit behind ``layers[i].post_attention_layernorm`` as ``layers[i].mlp`` with a router
-(``.gate``, GPT-OSS ``.router``) returning ``(router_logits, top_k_weights, top_k_index)`` and
-fused ``.experts`` called as ``experts(x, top_k_index, top_k_weights)``. Nothing here imports
-transformers: families are matched by class name.
+A row (:class:`Family`) says where the pre-norm is (a path from the decoder layer), its gain
+convention (``w`` or zero-centred ``1 + w``), the router attribute and its semantics
+(``adapters/routers.py``), the shared-expert wiring (:class:`Shared`), any scaling the block
+applies to the routed sum, and which layer class reads the experts. Most families call fused
+experts as ``experts(x, top_k_index, top_k_weights)``, evaluated unweighted with unit weights;
+the few layouts that differ are the small subclasses below (Llama 4's input-scaled experts,
+JetMoE's parallel experts, Nemotron-H's latent projections, Inkling's router-gated shared experts).
+Nothing here imports transformers: blocks are matched by class name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas_tracking.adapters.base import RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
+
+Scale = Callable[[nn.Module], float]
+"""block -> a factor the block applies to a sum after the experts call (e.g. ``routed_scaling_factor``)."""
 
 
-def _renormalise(values: torch.Tensor) -> torch.Tensor:
-    return values / values.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(values.dtype).tiny)
+@dataclass(frozen=True)
+class Shared:
+    """Always-on shared experts: ``scale(block) * [sigmoid(gate(g)) *] module(g)``, the transport baseline."""
+
+    module: str = "shared_experts"
+    gate: str | None = None
+    """Path of a linear whose sigmoid gates the shared output (Qwen2-MoE's ``shared_expert_gate``)."""
+    scale: Scale | None = None
+
+    def __call__(self, layer: HFLayer, g: torch.Tensor) -> torch.Tensor | None:
+        module = resolve(layer.block, self.module)
+        if module is None:
+            return None
+        out = module(g)
+        if self.gate is not None:
+            out = torch.sigmoid(resolve(layer.block, self.gate)(g)) * out
+        return out * self.scale(layer.block) if self.scale is not None else out
 
 
-class HFRouterLayer(RoutedLayer):
-    """A transformers router with ``num_experts`` and ``top_k`` attributes."""
+@dataclass(frozen=True)
+class Family:
+    """One row of the transformers family table (``adapters/families.py``)."""
+
+    name: str
+    """Family name (the transformers model type)."""
+    blocks: tuple[str, ...]
+    """MoE block class names this row reads."""
+    router: TopLogits | BiasedScores
+    norm: str = "post_attention_layernorm"
+    """The pre-norm, as a path from the decoder layer holding the block."""
+    gain: str = "w"
+    """'w' (``g = w * z``) or '1+w' (zero-centred gain, ``g = (1 + w) * z``)."""
+    shared: Shared | None = None
+    router_attr: str = "gate"
+    scale: Scale | None = None
+    """A factor the block applies to the routed sum after the experts call."""
+    num_experts: str = "router.num_experts"
+    top_k: str = "router.top_k"
+    router_args: tuple[str, ...] = ()
+    """Paths of extra arguments the block passes its router (a bias held by the block)."""
+    router_3d: bool = False
+    """The router reads ``[batch, seq, d]`` (not flattened tokens)."""
+    experts: str = "experts"
+    layer: type[HFLayer] | None = None
+    """The layer class; None: :class:`HFLayer`."""
+    skip: Callable[[nn.Module], str | None] | None = None
+    """block -> the reason this routed block is not read (it is then left out), or None."""
+    model_types: tuple[str, ...] = field(default=())
+    """Further transformers model types served by this row (composite configs of the same text model)."""
+
+
+class HFLayer(RoutedLayer):
+    """A transformers MoE block read through its family row."""
+
+    def __init__(self, name: str, index: int, block: nn.Module, norm: nn.Module, router: nn.Module,
+                 experts: nn.Module, row: Family):
+        super().__init__(name, index, block, norm, router, experts)
+        self.row = row
+        self.family = row.name
+        self.router_kind = row.router.kind
 
     @property
     def num_experts(self) -> int:
-        return int(self.router.num_experts)
+        return int(resolve(self, self.row.num_experts))
 
     @property
     def top_k(self) -> int:
-        return int(self.router.top_k)
+        return int(resolve(self, self.row.top_k))
 
-
-class HFSoftmaxLayer(HFRouterLayer):
-    """Routers ranking logits with the softmax as distribution: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS."""
-
-    router_kind = "softmax"
+    def gamma(self) -> torch.Tensor:
+        weight = self.norm.weight.float()
+        return weight + 1.0 if self.row.gain == "1+w" else weight
 
     def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
-        logits, top_weights, top_index = router_output
-        scores = logits.float()
-        probs = torch.softmax(scores, dim=-1)
-        active = top_index.long()
-        return Routing(
-            scores=scores,
-            probs=probs,
-            active=active,
-            weights=top_weights.float(),
-            rho=_renormalise(probs.gather(1, active)),
-        )
+        logits, weights, index = self.row.router.read(self, router_output)
+        scores, probs = self.row.router.selection(self, logits)
+        active = index.reshape(len(scores), -1).long()
+        weights = weights.reshape(active.shape).float()
+        if self.row.scale is not None:
+            weights = weights * self.row.scale(self.block)
+        rho = probs.gather(1, active)
+        return Routing(scores=scores, probs=probs, active=active, weights=weights,
+                       rho=rho / rho.sum(dim=1, keepdim=True).clamp_min(torch.finfo(rho.dtype).tiny))
+
+    def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
+        return self.row.router.read(self, router_output)[0]
+
+    def route(self, g: torch.Tensor) -> Routing:
+        g = g.reshape(-1, g.shape[-1])
+        args = [resolve(self, path) for path in self.row.router_args]
+        return self.routing(self.router.forward(g.unsqueeze(0) if self.row.router_3d else g, *args), g)
+
+    def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
+        return self.row.shared(self, g) if self.row.shared is not None else None
 
 
-class Qwen2MoeLayer(HFSoftmaxLayer):
-    """Qwen2-MoE: softmax router plus a sigmoid-gated shared expert (part of the transport baseline)."""
+class InputScaledLayer(HFLayer):
+    """Llama 4: each expert reads its input scaled by its routing weight (``expert_e(w_e g)``), through a
+    dense ``[E, tokens, d]`` batched experts module.
+
+    The field is what the expert contributes per unit weight, ``u_e(g) = expert_e(w_e(g) g) / w_e(g)``
+    with ``w_e(g) = sigmoid(logit_e(g))`` (the weight expert e has, or would have, at g), so that
+    ``sum_{e in R} w_e u_e(g) + shared(g)`` is the block's output exactly.
+    """
+
+    fusable = False
+
+    def input_weights(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``w_e`` of each (row, expert) pair, in the model's dtype as the model applies it."""
+        logits = F.linear(rows, self.router.weight)
+        return torch.sigmoid(logits.float()).to(rows.dtype).gather(1, experts.view(-1, 1))
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        w = self.input_weights(rows, experts)
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        slots = int(counts.max()) if len(experts) else 0
+        order = torch.argsort(experts, stable=True)
+        first = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(len(order), device=order.device) - first[experts[order]]
+        padded = rows.new_zeros(self.num_experts, slots, rows.shape[-1])
+        padded[experts, pos] = rows * w
+        y = self.experts(padded.view(-1, rows.shape[-1])).view(self.num_experts, slots, -1)[experts, pos]
+        return y.float() / w.float().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class JetMoeLayer(HFLayer):
+    """JetMoE: experts as two ``JetMoeParallelExperts`` (GLU), run on rows sorted by expert; a learned
+    output bias added to every token is the transport baseline."""
+
+    fusable = False
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(experts, stable=True)
+        sizes = torch.bincount(experts, minlength=self.num_experts).tolist()
+        hidden = self.block.input_linear(rows.index_select(0, order), sizes)
+        a, b = hidden.chunk(2, dim=-1)
+        out = self.block.output_linear(self.block.activation(a) * b, sizes)
+        return torch.empty_like(out).index_copy_(0, order, out)
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor:
-        return F.sigmoid(self.block.shared_expert_gate(g)) * self.block.shared_expert(g)
+        return self.block.bias.expand_as(g)
 
 
-class DeepseekV3Layer(HFRouterLayer):
-    """DeepSeek-V3: sigmoid scores + correction bias, group-limited top-k, scaled unbiased weights."""
+class LatentLayer(HFLayer):
+    """Nemotron-H: experts (non-gated) may run in a latent space, ``fc2(sum w expert(fc1(g)))``; the
+    field is ``W2 expert_e(fc1(g))`` and fc2's bias joins the shared output."""
 
-    router_kind = "sigmoid"
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fusable = isinstance(self.block.fc1_latent_proj, nn.Identity)
 
-    def eligible_scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Selection scores ``sigmoid(logits) + bias`` with experts outside the chosen groups at -inf.
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if self.fusable:
+            return super().pair_outputs(rows, experts)
+        fc2 = self.block.fc2_latent_proj
+        return F.linear(super().pair_outputs(self.block.fc1_latent_proj(rows), experts), fc2.weight)
 
-        Recomputed with the router's own operations, so the eligible groups are the model's.
-        """
-        r = self.router
-        choice = logits.float().sigmoid() + r.e_score_correction_bias.float()
-        n_group, per_group = r.num_group, self.num_experts // r.num_group
-        group_scores = choice.view(-1, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=r.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(-1, self.num_experts)
-        return choice.masked_fill(~score_mask.bool(), float("-inf"))
+    def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
+        out = super().shared_output(g)
+        bias = getattr(self.block.fc2_latent_proj, "bias", None)
+        return out if bias is None else out + bias
 
-    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
-        logits, top_weights, top_index = router_output
-        sig = logits.float().sigmoid()
-        active = top_index.long()
-        return Routing(
-            scores=self.eligible_scores(logits),
-            probs=_renormalise(sig),
-            active=active,
-            weights=top_weights.float(),
-            rho=_renormalise(sig.gather(1, active)),
-        )
+
+class TwoSlotLayer(HFLayer):
+    """LongCat-Flash: its experts' forward squeezes a one-slot routing mask away, so each (token, expert) pair is
+    called in two slots, the second with weight 0 (its zero-compute identity experts are ordinary slots)."""
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        call = self.experts_forward if self.experts_forward is not None else self.experts
+        weights = torch.tensor([1.0, 0.0], dtype=rows.dtype, device=rows.device).expand(len(experts), 2)
+        return call(rows, experts.view(-1, 1).expand(-1, 2), weights)
+
+
+class RouterGatedSharedLayer(HFLayer):
+    """Inkling: the router normalises routed and shared experts together and returns the shared experts'
+    gates (``shared_gammas``), which the shared experts multiply in."""
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor:
-        return self.block.shared_experts(g)
+        return self.block.shared_experts(g, gammas=self.router.forward(g)[3])
 
 
-class GptOssLayer(HFSoftmaxLayer):
-    """GPT-OSS: biased linear router, top-k on logits then softmax over the k (the renormalised softmax);
-    interleaved fused experts, called with the same signature."""
+def refuse(family: str, reason: str) -> Callable[[str, int, nn.Module, nn.Module], RoutedLayer | None]:
+    """A registry factory for blocks that cannot be read exactly: the error names the family and the reason."""
 
-    router_kind = "topk_softmax"
-
-
-def _factory(cls: type[RoutedLayer], family: str, router_attr: str = "gate"):
     def make(name: str, index: int, block: nn.Module, parent: nn.Module) -> RoutedLayer | None:
-        norm = getattr(parent, "post_attention_layernorm", None)
-        router = getattr(block, router_attr, None)
-        experts = getattr(block, "experts", None)
-        if norm is None or router is None or experts is None:
-            return None
-        layer = cls(name, index, block, norm, router, experts)
-        layer.family = family
-        return layer
+        raise NoRoutedLayersError(f"{family} MoE block {name} ({type(block).__name__}) cannot be read exactly: {reason}")
 
     return make
 
 
-for _cls, _family in [
-    ("MixtralSparseMoeBlock", "mixtral"),
-    ("Qwen3MoeSparseMoeBlock", "qwen3_moe"),
-    ("OlmoeSparseMoeBlock", "olmoe"),
-]:
-    register_family(_cls, _family, _factory(HFSoftmaxLayer, _family))
-register_family("Qwen2MoeSparseMoeBlock", "qwen2_moe", _factory(Qwen2MoeLayer, "qwen2_moe"))
-register_family("DeepseekV3MoE", "deepseek_v3", _factory(DeepseekV3Layer, "deepseek_v3"))
-register_family("GptOssMLP", "gpt_oss", _factory(GptOssLayer, "gpt_oss", router_attr="router"))
+def factory(row: Family) -> Callable[[str, int, nn.Module, nn.Module], RoutedLayer | None]:
+    """The registry factory of one table row: the block's router, experts, and pre-norm in its decoder layer."""
+
+    def make(name: str, index: int, block: nn.Module, parent: nn.Module) -> RoutedLayer | None:
+        if row.skip is not None and row.skip(block):
+            return None
+        parts = {f"router {row.router_attr}": resolve(block, row.router_attr),
+                 f"experts {row.experts}": resolve(block, row.experts)}
+        norm = resolve(parent, row.norm)
+        missing = [what for what, module in parts.items() if module is None]
+        if missing or norm is None:
+            where = missing + ([f"pre-norm {row.norm} in its decoder layer {type(parent).__name__}"] if norm is None else [])
+            raise NoRoutedLayersError(f"{row.name} MoE block {name} ({type(block).__name__}) lacks its "
+                                      f"{', '.join(where)}; pass layers= explicitly or register an adapter")
+        router, experts = parts.values()
+        return (row.layer or HFLayer)(name, index, block, norm, router, experts, row)
+
+    return make
+
+
+def register_rows(rows: tuple[Family, ...], refused: dict[str, tuple[tuple[str, ...], str]]) -> None:
+    """Register every row of the family table and every refused family's blocks."""
+    for row in rows:
+        for block in row.blocks:
+            register_family(block, row.name, factory(row))
+    for family, (blocks, reason) in refused.items():
+        for block in blocks:
+            register_family(block, family, refuse(family, reason))

@@ -1,0 +1,33 @@
+"""Loading a transformers checkpoint for ``measure`` / ``compare``, composite (vision-language) MoEs included.
+
+A checkpoint whose config ``AutoModelForCausalLM`` does not map (Qwen3-VL-MoE, GLM-4.5V, Mistral 4, ...) is
+loaded with the class ``AutoModelForImageTextToText`` maps it to; a gate then runs its text model alone
+(``input_ids`` only, the vision tower idle), and the routed layers found are the text model's MoE blocks.
+Transformers is imported here, never by the engine's other modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+UNMAPPED = "Unrecognized configuration class"
+"""What transformers' auto classes say about a config they do not map."""
+
+
+def from_pretrained(path: Path, dtype: Any) -> Any:
+    """A causal LM, else a composite model whose text path is one, loaded from ``path`` (safetensors)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    except ValueError as exc:
+        if UNMAPPED not in str(exc):
+            raise
+        first = str(exc).splitlines()[0]
+    try:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    except ValueError as exc:
+        if UNMAPPED not in str(exc):
+            raise
+        raise ValueError(f"{path}: neither a causal LM nor a composite model with a text model ({first})") from None
