@@ -90,7 +90,6 @@ def finish_trackers() -> None:
     """End the runs the Trainer's integrations leave open (W&B) or may leave open (MLflow), and reset W&B's
     process-wide settings so that the next run reads ``WANDB_DIR`` again."""
     import mlflow
-
     import wandb
 
     if wandb.run is not None:
