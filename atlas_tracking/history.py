@@ -263,7 +263,8 @@ def _receipts_name(step: int) -> str:
     return f"step_{step:08d}.json"
 
 
-def _file_sha(path: Path) -> str | None:
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of a file's bytes, or None when it cannot be read (a receipts file a record points to)."""
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
@@ -448,7 +449,7 @@ class RunDir:
         for rec in rest:
             sha = rec.get("receipts_sha256")
             src = self.receipts_file(rec["step"])
-            if sha and _file_sha(src) == sha:
+            if sha and file_sha256(src) == sha:
                 parked_dir.mkdir(exist_ok=True)
                 os.replace(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json")
         for path in sorted(self.receipts.glob("step_*.json")):
@@ -457,7 +458,7 @@ class RunDir:
             except ValueError:
                 continue
             rec = by_step.get(step)
-            sha = _file_sha(path)
+            sha = file_sha256(path)
             if rec is not None and (rec.get("receipts_sha256") in (None, sha)):
                 continue
             parked_dir.mkdir(exist_ok=True)
@@ -465,7 +466,7 @@ class RunDir:
         for rec in history:
             src = parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json"
             dst = self.receipts_file(rec["step"])
-            if src.exists() and not dst.exists() and _file_sha(src) == rec.get("receipts_sha256"):
+            if src.exists() and not dst.exists() and file_sha256(src) == rec.get("receipts_sha256"):
                 os.replace(src, dst)
 
     # --- tracker ledger ------------------------------------------------------------------------

@@ -55,9 +55,10 @@ import numpy as np
 
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import ArtifactError, jsonable, read_artifact
-from atlas_tracking.history import HistoryError, RunDir, _file_sha, gates_file, read_history
+from atlas_tracking.history import HistoryError, RunDir, file_sha256, gates_file, read_history
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.stats import bootstrap_indices, percentile_ci, ratio_samples
+from atlas_tracking.record import finite_number
 
 REAL_FIX, NOT_YET, NOT_COMPARABLE = "real fix", "not yet", "not comparable"
 EXIT_CODES = {REAL_FIX: 0, NOT_YET: 1, NOT_COMPARABLE: 2}
@@ -77,15 +78,6 @@ class JudgeError(ValueError):
     """A run's record cannot be read (no gates file, a bad line): bad input, exit code 2."""
 
 
-def _num(x: Any) -> float | None:
-    if isinstance(x, bool) or x is None:
-        return None
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
 
 def _fingerprint(records: list[dict[str, Any]], name: str) -> tuple[str | None, str | None]:
     """(the run's one canary fingerprint or None, a reason the run is not comparable or None)."""
@@ -97,10 +89,10 @@ def _fingerprint(records: list[dict[str, Any]], name: str) -> tuple[str | None, 
 
 def _pairs(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float):
     """Candidate gates paired with the stressed gate of nearest loss, within ``loss_tol``; and the unpaired."""
-    pool = [s for s in stressed if _num(s.get("loss")) is not None]
+    pool = [s for s in stressed if finite_number(s.get("loss")) is not None]
     pairs, unpaired = [], []
     for c in candidate:
-        lc = _num(c.get("loss"))
+        lc = finite_number(c.get("loss"))
         if lc is None or not pool:
             if lc is not None:
                 unpaired.append({"step": c["step"], "loss": lc, "why": "the stressed run has no gate with a loss"})
@@ -124,7 +116,7 @@ def _artifact(path: Path | None, record: dict[str, Any]) -> dict[str, Any] | Non
     if path is None or not sha:
         return None
     file = RunDir(path).receipts_file(record["step"])
-    if _file_sha(file) != sha:
+    if file_sha256(file) != sha:
         return None
     try:
         return read_artifact(file)
@@ -180,7 +172,7 @@ def _inside(ci: list[float] | None, side: str) -> bool:
 
 
 def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]] | None, pol) -> dict[str, Any]:
-    d = {k: (None if _num(c.get(k)) is None or _num(s.get(k)) is None else float(c[k]) - float(s[k])) for k in DELTAS}
+    d = {k: (None if finite_number(c.get(k)) is None or finite_number(s.get(k)) is None else float(c[k]) - float(s[k])) for k in DELTAS}
     ci = (cis or {}).get
     state2 = d["c2"] > pol.c2_tol and _inside(ci("c2"), "+")
     no_dead = float(s["dead_experts"]) == 0 and float(c["dead_experts"]) == 0
@@ -191,8 +183,8 @@ def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]]
     }
     occupancy = all(axes.values())
     return {
-        "stressed_step": s["step"], "candidate_step": c["step"], "stressed_loss": _num(s.get("loss")),
-        "candidate_loss": _num(c.get("loss")), "deltas": d, "ci": cis,
+        "stressed_step": s["step"], "candidate_step": c["step"], "stressed_loss": finite_number(s.get("loss")),
+        "candidate_loss": finite_number(c.get("loss")), "deltas": d, "ci": cis,
         "evidence": "paired window-bootstrap CIs" if cis else "point deltas",
         "state2": state2, "occupancy": occupancy, "occupancy_axes": axes,
         "margin_widened": d["margin"] is not None and d["margin"] > 0,
@@ -251,7 +243,7 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
         out["reason"] = f"no candidate gate is at matched loss (within {loss_tol}) with a stressed gate"
         return jsonable(out)
     for s, c in raw:
-        missing = [k for k in REQUIRED if _num(s.get(k)) is None or _num(c.get(k)) is None]
+        missing = [k for k in REQUIRED if finite_number(s.get(k)) is None or finite_number(c.get(k)) is None]
         if missing:
             out["reason"] = f"matched gates {s['step']} / {c['step']} lack {', '.join(missing)}"
             return jsonable(out)

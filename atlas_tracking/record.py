@@ -58,7 +58,12 @@ LAYER_FIELDS = (
 )
 
 
-def _num(x: Any) -> float | None:
+def finite_number(x: Any) -> float | None:
+    """``x`` as a float when it is a finite number (not a bool), else None: how records are read for metrics.
+
+    >>> finite_number(3), finite_number(float("nan")), finite_number(True), finite_number("x")
+    (3.0, None, None, None)
+    """
     if isinstance(x, bool) or x is None:
         return None
     try:
@@ -95,7 +100,7 @@ def gate_record(
         layers.append(entry)
     record: dict[str, Any] = {
         "step": int(step),
-        "loss": _num(loss),
+        "loss": finite_number(loss),
         "resume": bool(resume),
         **{k: s.get(k) for k in SUMMARY_METRICS if k in s and k != "loss"},
         "num_experts": s.get("num_experts"),
@@ -121,10 +126,10 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
     """Scalar tracker metrics of a record under the ``atlas/`` namespace (bounded key count)."""
     out: dict[str, float] = {}
     for key in (*SUMMARY_METRICS, *DRIFT_METRICS):
-        v = _num(record.get(key))
+        v = finite_number(record.get(key))
         if v is not None:
             out[f"atlas/{METRIC_NAMES.get(key, key)}"] = v
-    if _num(record.get("gate_seconds")) is not None:
+    if finite_number(record.get("gate_seconds")) is not None:
         out["atlas/gate_seconds"] = float(record["gate_seconds"])
     if record.get("ov_cf_terminal_ordinal") is not None:
         out["atlas/ov_cf_cliff_off_terminal"] = float(record.get("ov_cf_cliff_note") is not None)
@@ -135,7 +140,7 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
     if per_layer:
         for layer in record.get("layers", []):
             for key in LAYER_METRICS:
-                v = _num(layer.get(key))
+                v = finite_number(layer.get(key))
                 if v is not None:
                     out[f"atlas/layer_{layer['ordinal']:02d}/{key}"] = v
     return out
