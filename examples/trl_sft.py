@@ -4,7 +4,8 @@
 
 1. The model: the demo's pretrained Qwen3-MoE (``out/demo/hf/pretrained``, written by ``make demo``)
    when it is there, else the same model (``moe_lightning.build_qwen3_moe``) pretrained here on the
-   demo's prose with a plain transformers ``Trainer`` and the callback (``--pretrain-steps``).
+   demo's prose with a plain transformers ``Trainer`` and the callback (``--pretrain-steps``; its gates
+   read the pretraining phase, the SFT's the post-training phase, both recognised from the first gate).
 2. SFT: chat-formatted prompt/completion pairs made locally from the Python documentation topics
    that lie in the demo's training split (the canary is the demo's, from the held-out end of the
    prose). Two chat tokens are added to the byte vocabulary; the loss is on completions only.
@@ -148,7 +149,8 @@ class ByteWindowSet(torch.utils.data.Dataset):
 
 
 def pretrain(out: Path, steps: int, prose: tuple[np.ndarray, ...], canary: Canary, config: dict[str, Any]):
-    """The demo's model and prose, pretrained with a plain transformers Trainer and the atlas callback."""
+    """The demo's model and prose, pretrained with a plain transformers Trainer and the atlas callback: the
+    random-weight step-0 baseline makes the gates read the pretraining phase (``policy.phase: auto``)."""
     from atlas_tracking.integrations.transformers import AtlasTrainerCallback
     from moe_lightning import build_qwen3_moe
     from transformers import Trainer, TrainingArguments
@@ -163,7 +165,7 @@ def pretrain(out: Path, steps: int, prose: tuple[np.ndarray, ...], canary: Canar
     model = build_qwen3_moe(seed=0)
     trainer = Trainer(model, args=args, train_dataset=ByteWindowSet(train_s, 128, steps * 16, 0),
                       eval_dataset=ByteWindowSet(val_s, 128, 16, 1),
-                      callbacks=[AtlasTrainerCallback(canary, {**config, "gate": {"baseline_at_start": False}})])
+                      callbacks=[AtlasTrainerCallback(canary, config)])
     trainer.train()
     model.save_pretrained(out / "pretrained")
     return model

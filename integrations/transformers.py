@@ -10,19 +10,22 @@ record (written first) and tracker delivery.
   trackers the Trainer reports to (``report_to``: the active W&B run, the active MLflow run) are
   attached. A resumed ``train(resume_from_checkpoint=...)`` resumes the run's record instead
   (:meth:`AtlasGate.resume`: one history, trackers caught up) and its first gate is a BASELINE.
-- ``on_evaluate``: a gate after every ``gate.every_n_validations``-th evaluation, at the Trainer's
+- ``on_evaluate``: a gate after every ``gate.every_n_validations``-th evaluation step, at the Trainer's
   ``global_step`` (the step its own integrations log ``eval_loss`` at), with ``eval_loss`` as the
-  gate's loss. A failing gate never stops training (``atlas/errors.jsonl`` and a warning).
+  gate's loss (with several evaluation datasets, once per step, after the one ``loss_key`` names). A failing gate never stops training (``atlas/errors.jsonl`` and a warning).
   ``trainer.evaluate()`` outside training writes a gate to ``atlas/evaluations.jsonl`` only.
 - State: the callback is an ``ExportableState``; its state goes into every checkpoint's
   ``trainer_state.json`` (JSON: policy, alerts, the history's lineage, cadence; never a secret) and is
   read back from the checkpoint training resumes from whether or not
   ``TrainingArguments.restore_callback_states_from_checkpoint`` is set.
 
-    >>> from atlas_tracking.integrations.transformers import AtlasTrainerCallback   # doctest: +SKIP
-    >>> trainer = Trainer(model, args=TrainingArguments(..., eval_strategy="steps", eval_steps=200,
-    ...                   report_to=["wandb", "mlflow"]), train_dataset=train, eval_dataset=val)
-    >>> trainer.add_callback(AtlasTrainerCallback(canary="canary.npz", config="atlas.yaml"))
+Usage (a sketch; ``tests/test_transformers_callback.py`` runs it in full)::
+
+    from atlas_tracking.integrations.transformers import AtlasTrainerCallback
+
+    trainer = Trainer(model, args=TrainingArguments(..., eval_strategy="steps", eval_steps=200,
+                      report_to=["wandb", "mlflow"]), train_dataset=train, eval_dataset=val)
+    trainer.add_callback(AtlasTrainerCallback(canary="canary.npz", config="atlas.yaml"))
 """
 
 from __future__ import annotations
