@@ -6,26 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from lightning_helpers import POST_TRAINING, PROSE, QUIET, tiny_canary
-from moe_lightning import build_qwen3_moe
-from torch.utils.data import Dataset
+from moe_lightning import ByteWindows, build_qwen3_moe
 
 
-class Windows(Dataset):
-    """``length`` windows of ``window`` byte tokens (fixed seed) as the Trainer's ``input_ids``/``labels``."""
-
-    def __init__(self, stream: np.ndarray, window: int, length: int, seed: int):
-        rng = np.random.default_rng(seed)
-        self.starts = rng.integers(0, len(stream) - window, size=length)
-        self.stream, self.window = stream, window
-
-    def __len__(self) -> int:
-        return len(self.starts)
+class Windows(ByteWindows):
+    """The demo's byte windows as the Trainer's ``input_ids``/``labels``."""
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.from_numpy(self.stream[self.starts[i] : self.starts[i] + self.window].astype(np.int64))
+        ids = super().__getitem__(i)
         return {"input_ids": ids, "labels": ids.clone()}
 
 
