@@ -13,7 +13,6 @@ from gloo_workers import run_workers
 from receipt_tolerance import assert_within_tolerance
 from trainer_helpers import (
     DDP_CONFIG,
-    DISTRIBUTED_ENV,
     POST_TRAINING,
     QUIET,
     ddp_fit,
@@ -29,13 +28,6 @@ from transformers import Trainer
 from atlas_tracking import AtlasConfig, Baseline, measure
 
 warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*")
-
-
-@pytest.fixture(autouse=True)
-def _one_process(monkeypatch):
-    """A Trainer in this process is one process, whatever launcher variables earlier tests left behind."""
-    for name in DISTRIBUTED_ENV:
-        monkeypatch.delenv(name, raising=False)
 
 PEFT_PREFIX = "base_model.model."
 """What ``get_peft_model`` puts before the wrapped model's module names."""

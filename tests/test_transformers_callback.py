@@ -14,7 +14,6 @@ from atlas_tracking.integrations.transformers import TRAINER_STEP_KEY, AtlasTrai
 from atlas_tracking.integrations.wandb_workspace import build_workspace, logged_keys, workspace_sections
 from mlflow.tracking import MlflowClient
 from trainer_helpers import (
-    DISTRIBUTED_ENV,
     POST_TRAINING,
     finish_trackers,
     model_from_checkpoint,
@@ -31,13 +30,6 @@ from transformers import Trainer
 from atlas_tracking import Canary, CanaryError, NoRoutedLayersError
 
 warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*")
-
-
-@pytest.fixture(autouse=True)
-def _one_process(monkeypatch):
-    """A Trainer in this process is one process, whatever launcher variables earlier tests left behind."""
-    for name in DISTRIBUTED_ENV:
-        monkeypatch.delenv(name, raising=False)
 
 RULE = "canary NLL measured"
 ALERTING = {**POST_TRAINING, "alerts": {"rules": [{"name": RULE, "metric": "canary_nll", "op": ">", "value": 0.0,

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_helpers import one_process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_trl_sft_example_runs_as_the_readme_says(tmp_path):
     # one thread: beside other test processes, two threads per process on 2 cores slowed this run 7-fold
-    env = {**one_process_env(dict(os.environ)), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_sft.py"), "--quick", "--out",
                            str(tmp_path / "out"), "--pretrained", str(tmp_path / "absent")],
                           env=env, capture_output=True, text=True, timeout=900)

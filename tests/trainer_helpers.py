@@ -58,15 +58,6 @@ def records(out: Path, name: str = "gates.jsonl") -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What a launcher sets; accelerate (so the Trainer) reads a process left with them as one of a process group."""
-
-
-def one_process_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without a launcher's variables (tests that start a process group in-process leave them behind)."""
-    return {k: v for k, v in env.items() if k not in DISTRIBUTED_ENV}
-
-
 def use_trackers(monkeypatch, tmp_path: Path, experiment: str = "atlas-trainer") -> str:
     """W&B offline under ``tmp_path`` and MLflow on sqlite there (artifacts there too); returns the tracking URI.
 
@@ -75,7 +66,6 @@ def use_trackers(monkeypatch, tmp_path: Path, experiment: str = "atlas-trainer")
     from mlflow.tracking import MlflowClient
 
     finish_trackers()
-
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
