@@ -28,6 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_rank_env(env: Any) -> None:
+    """Set a one-process group's launcher variables (a free port on 127.0.0.1) through ``env``, a
+    ``pytest.MonkeyPatch``, so they are restored when it is undone."""
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                           LOCAL_RANK="0").items():
+        env.setenv(key, value)
+
+
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple,
            threads: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

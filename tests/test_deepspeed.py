@@ -4,13 +4,13 @@ Expert parallelism over several processes is tested in tests/test_expert_paralle
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gloo_workers import one_rank_env
 from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -31,12 +31,7 @@ def process_group():
     so later tests and the subprocesses they start do not inherit a stale MASTER_PORT or RANK."""
     with pytest.MonkeyPatch.context() as env:
         if not torch.distributed.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                                   LOCAL_RANK="0").items():
-                env.setenv(key, value)
+            one_rank_env(env)
             deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         yield
     torch.distributed.destroy_process_group()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import one_rank_env
 
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -104,18 +105,11 @@ def test_full_moe_layer_forward_matches_the_adapter():
 def megatron_cpu():
     """Megatron-Core process groups on one gloo rank, and ``examples/megatron_cpu.py``'s CPU stand-in
     for ``TopKRouter.gating`` (the real one moves the router weights to CUDA first)."""
-    import socket
-
     from megatron.core import parallel_state
 
     with pytest.MonkeyPatch.context() as env:  # restored after: later tests and their subprocesses inherit it
         if not torch.distributed.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                                   LOCAL_RANK="0").items():
-                env.setenv(key, value)
+            one_rank_env(env)
             torch.distributed.init_process_group("gloo", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
         with cpu_router_gating():
