@@ -9,9 +9,11 @@ hangs) are killed and the caller gets a ``TimeoutError``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -46,8 +48,15 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     try:
         result = fn(rank, world, *args)
     finally:
+        # free what ``fn`` left in reference cycles (a Trainer holding its DDP wrapper, the wrapper its reducer and
+        # the group's pending work) while the interpreter is whole: gloo work freed during interpreter finalization
+        # takes the GIL of a dying interpreter and aborts the process ("terminate called without an active exception")
+        gc.collect()
         torch.distributed.destroy_process_group()
     Path(out, f"{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is written; skip the finalization of third-party C++ objects, whose order is not ours
 
 
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
