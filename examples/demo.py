@@ -15,12 +15,21 @@
    fresh optimizer at 10x the pretraining learning rate and no load balancing. Its first gate is
    a trained model's, so it is read in ``post_training``. Loss keeps improving; C2 falls below the
    baseline, dead experts rise, occupancy narrows, and the policy walks to intervene, with alerts.
+3. intervention: what the operator does when the policy says intervene (the paper's Table 14, first row:
+   router-prior control at matched scalar success). From the stressed weights at its first
+   ``intervene`` gate, the router and experts are unfrozen and train on the same code with a 5x
+   load-balancing loss (the router prior) at the pretraining learning rate. ``atlas-tracking judge``
+   then pairs its gates with the stressed run's at matched validation loss and prints the verdict of
+   the four checks of section 8.9 (real fix / not yet / not comparable), whatever it is.
+
+Each run's last gate also gives the depth profile of routing self-consistency (``ov_cf``) and its
+terminal jump (seeds/002), printed at the end.
 
 Training is as deterministic as the platform allows (``torch.use_deterministic_algorithms``, a fixed
 thread count, seeded data order): one machine gives the same records run after run; another CPU
 may differ in the last digits, which the policy's tolerances absorb (README, Choosing tolerances).
 
-The canary is a held-out slice of the prose, fixed for all three runs. Gates go to
+The canary is a held-out slice of the prose, fixed for all the runs. Gates go to
 ``<run>/atlas/gates.jsonl`` first, then to W&B (offline) and MLflow (sqlite), both read back at
 the end. ``atlas-tracking report`` turns each run into an HTML page with its pictures.
 """
@@ -41,6 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import lightning.pytorch as pl  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from demo_data import code_text, encode, prose_text  # noqa: E402
@@ -77,16 +87,40 @@ class Phase:
     cosine: bool = False
 
 
-def phases(quick: bool) -> tuple[Phase, Phase]:
-    """The two runs, gated every 150 steps. ``quick`` pretrains for two gates instead of four (the control
-    and the stressed run keep their gates: the resume baseline and two more; five stressed gates)."""
+def phases(quick: bool) -> tuple[Phase, Phase, Phase]:
+    """The three runs, gated every 150 steps. ``quick`` pretrains for two gates instead of four (the other
+    runs keep their gates: the control's resume baseline and two more, five stressed gates, three
+    intervention gates)."""
     every = 150
     pretrain = (2 if quick else 4) * every
     return (
         Phase("healthy", pretrain + 3 * every, 3e-3, 0.02, False, "prose", every, resume_at=pretrain,
               resume_phase="post_training", cosine=True),
         Phase("stressed", 5 * every, 3e-2, 0.0, True, "code", every),
+        Phase("intervention", 3 * every, 3e-3, 0.1, False, "code", every, cosine=True),
     )
+
+
+RUNS = ("healthy", "stressed", "intervention")
+"""The demo's runs, each in ``<out>/<run>``."""
+
+
+class BranchAtIntervene(pl.Callback):
+    """Keeps the weights at the run's first gate whose record (``atlas/gates.jsonl``, the local ground truth)
+    reads stage ``intervene``; listed after the AtlasCallback, whose gate has then been written."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.gates = run_dir / "atlas" / "gates.jsonl"
+        self.step: int | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.weights is not None or not self.gates.exists():
+            return
+        last = json.loads(self.gates.read_text().splitlines()[-1])
+        if last.get("stage") == "intervene":
+            self.step = last["step"]
+            self.weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
 
 
 def _split(stream: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,7 +152,6 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
 
     Returns the final module and, for an interrupted run, the weights at the interruption.
     """
-    import lightning.pytorch as pl
     from atlas_tracking.integrations.lightning import AtlasCallback
     from lightning.pytorch.callbacks import ModelCheckpoint
     from moe_lightning import MoELM, build_qwen3_moe, loaders
@@ -164,6 +197,26 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
             import wandb
 
             wandb.finish()
+
+
+def judge_intervention(out: Path, branch_step: int) -> dict[str, Any]:
+    """``atlas-tracking judge`` of the intervention against the stressed run, under the demo's tolerances."""
+    from atlas_tracking.judge import judge, table
+
+    result = judge(out / "stressed" / "atlas", out / "intervention" / "atlas", AtlasConfig.from_dict(DEMO_CONFIG))
+    print(f"\n== atlas-tracking judge: the intervention (from the stressed step {branch_step}) against the stressed "
+          "run, at matched validation loss")
+    print(table(result))
+    return {"branch_step": branch_step, "verdict": result["verdict"], "failing": result["failing"],
+            "reason": result["reason"], "checks": result["checks"],
+            "pairs": [(p["stressed_step"], p["candidate_step"]) for p in result["pairs"]]}
+
+
+def cliff(rec: dict[str, Any]) -> dict[str, Any]:
+    """The ``ov_cf`` depth profile of a gate and its terminal jump (RECEIPTS.md; seeds/002)."""
+    return {"step": rec["step"], "profile": [layer["ov_cf"] for layer in rec["layers"]],
+            "terminal_jump": rec.get("ov_cf_terminal_jump"), "terminal_jump_ci": rec.get("ov_cf_terminal_jump_ci"),
+            "cliff_ordinal": rec.get("ov_cf_cliff_ordinal"), "note": rec.get("ov_cf_cliff_note")}
 
 
 def compare_checkpoints(pretrained: dict, stressed, canary: Canary, out: Path) -> None:
@@ -223,7 +276,7 @@ def read_back(out: Path) -> dict[str, Any]:
     try:
         from atlas_tracking.integrations.wandb import wait_for_offline_run
 
-        for run in ("healthy", "stressed"):
+        for run in RUNS:
             for run_dir in sorted((out / run / "wandb").glob("offline-run-*")):
                 data = wait_for_offline_run(run_dir)
                 found.setdefault(f"wandb/{run}", []).append(
@@ -262,31 +315,43 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
     canary = Canary.from_token_ids(streams["prose"][2], window=128, n_windows=64, seed=0)
     canary.save(out / "canary.npz")
     AtlasConfig.from_dict(DEMO_CONFIG)  # validate the embedded config up front
-    healthy, stress = phases(quick)
+    healthy, stress, fix = phases(quick)
     print(f"== {healthy.name}: {healthy.resume_at} steps of pretraining on prose from random weights (all parameters), "
           f"interrupted, resumed with policy.phase {healthy.resume_phase} to {healthy.steps} steps (seed {seed})",
           flush=True)
     _, weights = train(healthy, None, streams, canary, out, trackers=trackers, seed=seed)
     print(f"== {stress.name}: {stress.steps} steps on {stress.domain} from the step-{healthy.resume_at} weights, "
           f"experts+router frozen, fresh optimizer at lr {stress.lr:g}", flush=True)
-    stressed_model, _ = train(stress, weights, streams, canary, out, trackers=trackers, seed=seed)
+    branch = BranchAtIntervene(out / stress.name)
+    stressed_model, _ = train(stress, weights, streams, canary, out, trackers=trackers, seed=seed,
+                              extra_callbacks=(branch,))
+    if branch.weights is None:  # the policy never said intervene: the last stressed weights are the stressed state
+        branch.step = records(out / stress.name)[-1]["step"]
+        branch.weights = {k: v.detach().clone() for k, v in stressed_model.model.state_dict().items()}
+    print(f"== {fix.name}: {fix.steps} steps on {fix.domain} from the stressed step-{branch.step} weights (its first "
+          f"intervene gate), router and experts trainable, load-balancing weight {fix.aux:g}, lr {fix.lr:g}", flush=True)
+    train(fix, branch.weights, streams, canary, out, trackers=trackers, seed=seed)
     if extras:
         compare_checkpoints(weights, stressed_model, canary, out)
-    results = {phase.name: records(out / phase.name) for phase in (healthy, stress)}
-    for phase in (healthy, stress):
+    phases_run = (healthy, stress, fix)
+    results = {phase.name: records(out / phase.name) for phase in phases_run}
+    for phase in phases_run:
         print(f"\n-- {phase.name} gates ({out / phase.name / 'atlas' / 'gates.jsonl'})")
         print(gate_table(results[phase.name]))
     summary = {"seed": seed, "quick": quick, "stressed": decoupling(results["stressed"]),
                "pretraining": readiness(results["healthy"]),
                "healthy_stages": [r["stage"] for r in results["healthy"]],
                "healthy_status": [r["status"] for r in results["healthy"]],
+               "intervention_stages": [r["stage"] for r in results["intervention"]],
+               "judge": judge_intervention(out, branch.step),
+               "cliff": {name: cliff(recs[-1]) for name, recs in results.items()},
                "wall_time_s": round(time.perf_counter() - t0, 1), "cpu_time_s": round(time.process_time() - c0, 1)}
     if trackers:
         summary["trackers"] = read_back(out)
     if extras:
         from atlas_tracking.report import write_report
 
-        for phase in (healthy, stress):
+        for phase in phases_run:
             write_report(out / phase.name, out / phase.name / "report.html", png_dir=out / phase.name / "figures")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     last = summary["pretraining"][-1]
@@ -303,13 +368,28 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
           f"mean CV {d['cv_baseline']:.0f} -> {d['cv_last']:.0f}")
     print("stressed stages:", " -> ".join(d["stages"]))
     print("healthy stages: ", " -> ".join(summary["healthy_stages"]))
+    print("intervention stages:", " -> ".join(summary["intervention_stages"]))
+    print("\n== terminal cliff: ov_cf by routed layer at each run's last gate, and the terminal jump "
+          "(terminal layer minus the mean of the band before it)")
+    for name, c in summary["cliff"].items():
+        ci = c["terminal_jump_ci"] or [None, None]
+        print(f"{name:12s} step {c['step']:4d}  ov_cf {' '.join(f'{v:.3f}' for v in c['profile'])}  terminal jump "
+              f"{c['terminal_jump']:+.3f} [{_signed(ci[0])}, {_signed(ci[1])}]" + (f"  ({c['note']})" if c["note"] else ""))
+    j = summary["judge"]
+    print(f"\n== judge verdict on the intervention: {j['verdict']}"
+          + (f" (failing: {', '.join(j['failing'])})" if j["failing"] else "")
+          + (f" ({j['reason']})" if j["reason"] else ""))
     if trackers:
         print("trackers read back:", json.dumps(summary["trackers"]))
     if extras:
-        print(f"reports: {', '.join(str(out / p.name / 'report.html') for p in (healthy, stress))}")
+        print(f"reports: {', '.join(str(out / p.name / 'report.html') for p in phases_run)}")
     print(f"wall time {summary['wall_time_s']}s (CPU time of this process {summary['cpu_time_s']}s: one training "
           "thread, so about the wall time of an idle machine)")
     return summary
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,8 +75,11 @@ class MoELM(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        out = self.model(input_ids=batch, labels=batch)
-        self.log("val_loss", out.loss, prog_bar=True, on_epoch=True, batch_size=batch.shape[0])
+        """``val_loss`` is the next-token cross-entropy alone (the model's loss adds the load-balancing term,
+        whose weight differs between runs; two runs' losses are compared at matched quality)."""
+        logits = self.model(input_ids=batch).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        self.log("val_loss", ce, prog_bar=True, on_epoch=True, batch_size=batch.shape[0])
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

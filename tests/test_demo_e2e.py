@@ -3,8 +3,9 @@
 Pretraining from random weights reads ``pretraining`` (no YELLOW/RED, no WARN/ERROR stage alert,
 handoff readiness on every gate); the control continuation stays GREEN / clean after its resume
 baseline; the stressed run improves its loss while C2, dead experts, entropy and CV degrade, and
-reaches intervene with a WARN before an ERROR. Seed 0 runs with the trackers and the report; two
-more seeds run bare.
+reaches intervene with a WARN before an ERROR; the intervention branches from the stressed run's first
+intervene gate and the judge's verdict (whatever it is) is printed and agrees with the command line's.
+Seed 0 runs with the trackers and the report; two more seeds run bare.
 """
 
 from __future__ import annotations
@@ -87,6 +88,34 @@ def check_stressed(out: Path) -> None:
     assert levels[0] == "WARN" and "ERROR" in levels
 
 
+def check_intervention(out: Path) -> None:
+    from atlas_tracking.judge import EXIT_CODES
+
+    stressed, recs = _records(out, "stressed"), _records(out, "intervention")
+    summary = json.loads((out / "summary.json").read_text())
+    branch = summary["judge"]["branch_step"]
+    assert branch == next(r["step"] for r in stressed if r["stage"] == "intervene")  # the first intervene gate
+    at_branch = next(r for r in stressed if r["step"] == branch)
+    assert recs[0]["status"] == "BASELINE" and recs[0]["step"] == 0 and len(recs) == 4
+    # the intervention's baseline measures the branch weights: the stressed gate's receipts, within float noise
+    # (the same weights in a fresh module, the same canary and kernels)
+    for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "canary_nll"):
+        assert recs[0][key] == pytest.approx(at_branch[key], abs=1e-6)
+    text = (out / "stdout.txt").read_text()
+    verdict = summary["judge"]["verdict"]
+    assert f"== judge verdict on the intervention: {verdict}" in text
+    # the command line, as an operator runs it, gives the same verdict and exit code
+    proc = subprocess.run([sys.executable, "-m", "atlas_tracking.cli", "judge", "--stressed", str(out / "stressed"),
+                           "--candidate", str(out / "intervention" / "atlas" / "gates.jsonl"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_CODES[verdict] and json.loads(proc.stdout)["verdict"] == verdict
+    for run in ("healthy", "stressed", "intervention"):  # the terminal cliff of each run's last gate
+        last = _records(out, run)[-1]
+        line = next(x for x in text.splitlines() if x.startswith(f"{run:12s} step"))
+        assert f"terminal jump {last['ov_cf_terminal_jump']:+.3f}" in line
+        assert " ".join(f"{layer['ov_cf']:.3f}" for layer in last["layers"]) in line
+
+
 @pytest.mark.slow
 def test_pretraining_from_random_weights_reads_forming_with_handoff_readiness(demo_out):
     check_pretraining(demo_out)
@@ -112,6 +141,12 @@ def test_other_seeds_read_the_same(seed, tmp_path):
     check_pretraining(out)
     check_control(out)
     check_stressed(out)
+    check_intervention(out)
+
+
+@pytest.mark.slow
+def test_intervention_branches_at_the_first_intervene_gate_and_is_judged(demo_out):
+    check_intervention(demo_out)
 
 
 @pytest.mark.slow
