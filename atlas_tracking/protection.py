@@ -31,7 +31,8 @@ The rule:
 Inside a run the set of a gate is chosen from the gates before it (it is needed before the gate measures
 its lifecycle margins); ``atlas-tracking protect RUN_DIR`` prints the set the run's next gate would use.
 
-Example (8 routed layers; C2 damage on layers 2, 3, 5 and 6; layer 6 lost most of its experts):
+Example (8 routed layers; C2 damage on layers 2, 3, 5 and 6 and on the endpoints 0 and 7, which are not
+candidates; layer 6 lost most of its experts, so it ranks after every persistent layer):
     >>> ev = [{"ordinal": i, "name": f"l{i}", "c2_deltas": [d, d], "alive": [a, a]}
     ...       for i, (d, a) in enumerate(zip([-.3, 0, -.1, -.08, 0, -.06, -.2, -.4], [1, 1, 1, 1, 1, 1, .25, 1]))]
     >>> out = choose(ev)
