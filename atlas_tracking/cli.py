@@ -1,4 +1,4 @@
-"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report, judge.
+"""The ``atlas-tracking`` command line: measure, verify, compare, replay, report, judge, protect.
 
 Errors are one line on stderr with exit code 2; ``verify`` exits 1 on a disagreement; ``judge`` exits 0 for
 a real fix, 1 for not yet, 2 for not comparable.
@@ -118,8 +118,10 @@ def _optional_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from atlas_tracking import compare, replay, report
     from atlas_tracking.integrations import wandb_workspace
     from atlas_tracking.judge import register as register_judge
+    from atlas_tracking.protection import register as register_protect
 
-    return [compare.register, replay.register, report.register, register_judge, wandb_workspace.register]
+    return [compare.register, replay.register, report.register, register_judge, register_protect,
+            wandb_workspace.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

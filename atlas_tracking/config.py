@@ -89,14 +89,33 @@ class ReceiptsConfig:
 class LifecycleConfig:
     """Handoff and refinement margins (RECEIPTS.md, Lifecycle margins)."""
 
-    protected_layers: Literal["mid", "all"] | list[int] = "mid"
-    """"mid" (middle half of the routed layers), "all", or routed-layer ordinals."""
+    protected_layers: Literal["mid", "all", "auto"] | list[int] = "mid"
+    """"mid" (middle half of the routed layers), "all", routed-layer ordinals, or "auto": chosen from the
+    run's recorded gates (seeds/000 section 8.8; :mod:`atlas_tracking.protection`): among the routed layers
+    but the first and last, those whose experts stay alive (``auto_persistence_floor``) with the worst median
+    C2 loss against the baseline, as many as "mid"; "mid" until ``auto_min_gates`` post-baseline gates
+    exist. Each gate record names the set and its source (``protected_layers``, ``protected_source``)."""
+    auto_min_gates: int = 2
+    """protected_layers auto: post-baseline gates needed before the set is chosen from evidence."""
+    auto_margin: float = 0.005
+    """protected_layers auto: a layer replaces a member of the chosen set only when its median C2 loss is
+    larger by more than this (C2 units), so the set does not flicker between gates."""
+    auto_persistence_floor: float = 0.5
+    """protected_layers auto: a layer counts as persistent (kept specialized experts) when the median
+    fraction of its experts receiving canary tokens is at least this; persistent layers rank first."""
     lam1: float = 1.0
     lam2: float = 0.1
     mu1: float = 1.0
     mu2: float = 1.0
     mu3: float = 0.1
     tau: float = 0.25
+
+    def _validate(self, prefix: str) -> None:
+        if self.auto_min_gates < 1:
+            raise ConfigError(f"'{prefix}auto_min_gates' must be >= 1, got {self.auto_min_gates!r}")
+        if self.auto_margin < 0:
+            raise ConfigError(f"'{prefix}auto_margin' must be >= 0, got {self.auto_margin!r}")
+        _check_range(prefix, "auto_persistence_floor", self.auto_persistence_floor, 0.0, 1.0)
 
 
 @dataclass

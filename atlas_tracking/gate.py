@@ -52,6 +52,7 @@ from atlas_tracking.history import RunDir, RunDirError, append_line, key, new_id
 from atlas_tracking.measure import ForwardFn, default_forward, measure
 from atlas_tracking.phases import model_vocab_size
 from atlas_tracking.policy import GatePolicy, GateSummary
+from atlas_tracking.protection import for_gate, record_fields
 from atlas_tracking.record import gate_metrics, gate_record
 from atlas_tracking.sinks import Delivery, JsonlSink, WebhookSink
 
@@ -206,8 +207,9 @@ class AtlasGate:
         resume = self._resume_pending
         # In pretraining every gate becomes the next one's reference (RECEIPTS.md, Lifecycle phases).
         new_baseline = self.baseline is None or resume or self.policy.rolls_reference
+        config, protection = self._protection()
         report = measure(
-            self.model, self.canary, baseline=self.baseline, config=self.config, step=step,
+            self.model, self.canary, baseline=self.baseline, config=config, step=step,
             layers=self.layers, forward=self.forward, keep_anchors=new_baseline,
         )
         if new_baseline:
@@ -218,7 +220,7 @@ class AtlasGate:
                 self.baseline.save(target)
                 self.run_dir.point_baseline(target)
         record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
-        record.update(run_id=self.run_id, branch=self.branch)
+        record.update(run_id=self.run_id, branch=self.branch, **protection)
         if log_step is not None:
             record["log_step"] = int(log_step)
         if resume and self._canary_changed_from:
@@ -237,6 +239,20 @@ class AtlasGate:
             self._deliver(record, report, events)
         self.seconds_total += time.perf_counter() - t0
         return record
+
+    def _protection(self) -> tuple[AtlasConfig, dict[str, Any]]:
+        """The configuration this gate measures with and the record fields of its protected set: with
+        ``protected_layers: auto`` the set is chosen from the run's history before the gate (on rank zero,
+        shared with every rank; :mod:`atlas_tracking.protection`), else the configuration as it is."""
+        if self.config.lifecycle.protected_layers != "auto":
+            return self.config, {}
+        names = [layer.name for layer in self.layers]
+        chosen = for_gate(self.run_dir.path if self._claimed else None, self.canary.fingerprint, names,
+                          self.config.lifecycle) if _is_rank_zero() else None
+        chosen = _from_rank_zero(chosen)
+        config = copy.deepcopy(self.config)
+        config.lifecycle.protected_layers = list(chosen["ordinals"])
+        return config, record_fields(chosen)
 
     def _tracker_step(self, record: dict[str, Any]) -> int:
         return int(record.get("log_step", record["step"]))
@@ -266,11 +282,12 @@ class AtlasGate:
         never to ``gates.jsonl``, and not delivered to trackers.
         """
         self._load_existing_baseline()
-        report = measure(self.model, self.canary, baseline=self.baseline, config=self.config, step=step,
+        config, protection = self._protection()
+        report = measure(self.model, self.canary, baseline=self.baseline, config=config, step=step,
                          layers=self.layers, forward=self.forward, keep_anchors=False)
         record = gate_record(report, None, step=step, loss=loss,
                              baseline_path=self.baseline_path if self.baseline is not None else None)
-        record.update(kind=kind, run_id=self.run_id, branch=self.branch)
+        record.update(kind=kind, run_id=self.run_id, branch=self.branch, **protection)
         decision = copy.deepcopy(self.policy).read(GateSummary.from_dict(record)).to_dict()
         record.update({k: v for k, v in decision.items() if k != "step"})
         if _is_rank_zero():

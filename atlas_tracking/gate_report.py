@@ -33,12 +33,15 @@ class ArtifactError(ValueError):
 def protected_ordinals(n_layers: int, protected: str | list[int]) -> list[int]:
     """Routed-layer ordinals to protect: 'mid' = the middle half, 'all', or an explicit list.
 
+    'auto' is chosen from a run's history (:mod:`atlas_tracking.protection`); without one (a gate
+    measured outside a run) it is 'mid'.
+
     >>> protected_ordinals(8, "mid"), protected_ordinals(3, "mid"), protected_ordinals(3, [0, 2])
     ([2, 3, 4, 5], [0, 1], [0, 2])
     """
     if protected == "all":
         return list(range(n_layers))
-    if protected == "mid":
+    if protected in ("mid", "auto"):
         start = n_layers // 4
         return list(range(start, start + max(1, math.ceil(n_layers / 2))))
     bad = [i for i in protected if not 0 <= i < n_layers]
