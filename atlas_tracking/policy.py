@@ -392,9 +392,10 @@ class GatePolicy:
         self.stable_count = 0 if moved_now else self.stable_count + 1
         collapse = collapse_reasons(g.layers, c.collapse_dead_fraction, c.collapse_effective_experts)
         falling = None
-        if g.c2_protected is not None and ref.get("c2_protected") is not None:
-            if g.c2_protected < ref["c2_protected"] - c.c2_tol:
-                falling = (f"C2 falling on the protected layers: {ref['c2_protected']:.4f} -> {g.c2_protected:.4f} "
+        ref_protected = _protected_c2(ref, g.layers)
+        if g.c2_protected is not None and ref_protected is not None:
+            if g.c2_protected < ref_protected - c.c2_tol:
+                falling = (f"C2 falling on the protected layers: {ref_protected:.4f} -> {g.c2_protected:.4f} "
                            f"since step {ref['step']}")
         elif c2_trend == "worsening":
             falling = f"C2 falling since step {ref['step']} ({g.c2 - ref['c2']:+.4f})"
@@ -456,7 +457,29 @@ def _reference(g: GateSummary) -> dict[str, Any]:
     """What later gates are read against: the summaries and the per-layer C2 of one gate."""
     return {"step": g.step, "c2": g.c2, "dead_experts": g.dead_experts, "min_entropy": g.min_entropy,
             "mean_cv": g.mean_cv, "loss": g.loss, "margin": g.margin, "c2_protected": g.c2_protected,
-            "layers": [{k: lay.get(k) for k in ("name", "ordinal", "c2", "dead_experts")} for lay in g.layers]}
+            "layers": [{k: lay.get(k) for k in ("name", "ordinal", "c2", "dead_experts", "protected")}
+                       for lay in g.layers]}
+
+
+def _protected_c2(ref: dict[str, Any], layers: list[dict[str, Any]]) -> float | None:
+    """The reference's mean C2 over the layers protected at this gate: its own ``c2_protected`` when both gates
+    protect the same layers; when the set changed between them (``protected_layers: auto``), the mean of its
+    per-layer C2 over this gate's set, so both sides of the comparison hold the same layers.
+
+    >>> ref = {"c2_protected": 0.1, "layers": [{"ordinal": 0, "c2": 0.1, "protected": True},
+    ...                                        {"ordinal": 1, "c2": 0.3, "protected": False}]}
+    >>> _protected_c2(ref, [{"ordinal": 0, "protected": True}, {"ordinal": 1, "protected": False}])
+    0.1
+    >>> _protected_c2(ref, [{"ordinal": 0, "protected": False}, {"ordinal": 1, "protected": True}])
+    0.3
+    """
+    now = {lay.get("ordinal") for lay in layers if lay.get("protected")}
+    before = {lay.get("ordinal") for lay in ref.get("layers") or [] if lay.get("protected")}
+    by_ordinal = {lay.get("ordinal"): lay.get("c2") for lay in ref.get("layers") or []}
+    values = [by_ordinal.get(i) for i in now]
+    if not now or now == before or None in now or any(v is None or not math.isfinite(v) for v in values):
+        return ref.get("c2_protected")
+    return float(sum(values) / len(values))
 
 
 def _pretraining_interpretation(stage: str, collapse: list[str], n_stable: int) -> str:

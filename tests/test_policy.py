@@ -252,3 +252,23 @@ def test_replay_honours_the_phase_each_record_states():
                                                        ("post_training", "baseline"), ("post_training", "revoked")]
     assert [a["key"] for o in out for a in o["alerts"]] == ["resume_baseline", "stage:revoked"]
     assert "Phase pretraining -> post_training" in out[2]["alerts"][0]["text"]
+
+
+def test_a_changed_protected_set_compares_the_same_layers_on_both_sides():
+    """``protected_layers: auto`` may change the set between two gates: the reference's protected C2 is then
+    taken over this gate's layers, not its own (which would compare two different layer sets)."""
+    steady = [0.30, 0.05, 0.05, 0.30]
+
+    def gate(step: int, protected: set[int], per_layer: list[float]) -> dict:
+        layers = [{"name": f"l{i}", "ordinal": i, "c2": c, "dead_experts": 4, "router_entropy": 2.5, "load_cv": 1.5,
+                   "num_experts": 32, "top_k": 2, "protected": i in protected, "v2_c1_pass": True}
+                  for i, c in enumerate(per_layer)]
+        prot = sum(per_layer[i] for i in protected) / len(protected)
+        return _pre(step, sum(per_layer) / 4, 4, 2.5, 150, c2_protected=prot, layers=layers)
+
+    out = replay([gate(0, {0, 3}, steady), gate(200, {0, 3}, steady), gate(400, {1, 2}, steady)], PRE)
+    # nothing moved: the per-layer C2 is the same at every gate, only the protected set changed at 400
+    assert not any("C2 falling" in r for o in out[1:] for r in o["handoff"]["reasons"])
+    # the same change with the newly protected layers' C2 really falling is still named
+    out = replay([gate(0, {0, 3}, steady), gate(200, {1, 2}, [0.30, 0.01, 0.01, 0.30])], PRE)
+    assert any(r.startswith("C2 falling on the protected layers: 0.0500 -> 0.0100") for r in out[1]["handoff"]["reasons"])
