@@ -211,10 +211,11 @@ class ParamReference:
         t0 = time.perf_counter()
         params = {name: p for name, _, p in named_unique_parameters(model)}
         if set(params) != set(self.kept):
-            added, gone = sorted(set(params) - set(self.kept)), sorted(set(self.kept) - set(params))
+            changes = [f"{what} {names[:3]}{' and more' if len(names) > 3 else ''}" for what, names in (
+                ("new", sorted(set(params) - set(self.kept))), ("missing", sorted(set(self.kept) - set(params))))
+                if names]
             raise ParamDriftError(f"the model's parameters differ from the reference taken at step {self.step}: "
-                                  f"new {added[:3]}{'...' if len(added) > 3 else ''}, "
-                                  f"missing {gone[:3]}{'...' if len(gone) > 3 else ''}")
+                                  + ", ".join(changes))
         buckets: dict[tuple[Any, ...], np.ndarray] = {}
         for name, kept in self.kept.items():
             local, _ = local_part(params[name])
