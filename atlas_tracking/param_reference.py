@@ -181,6 +181,8 @@ class ParamReference:
         self.kept: dict[str, _Kept] = {}
         self.step: int | None = None
         """The step of the baseline the reference was taken at."""
+        self.seconds = 0.0
+        """Wall time of the last :meth:`measure` (kept out of the record: each process has its own)."""
 
     @property
     def ready(self) -> bool:
@@ -230,7 +232,7 @@ class ParamReference:
         present = {g for g in (k.group for k in self.kept.values())}
         out = summarize({g: total[i] for i, g in enumerate(GROUPS) if g in present})
         out["reference_step"] = self.step
-        out["seconds"] = time.perf_counter() - t0
+        self.seconds = time.perf_counter() - t0
         return out
 
 
