@@ -1,6 +1,6 @@
 """Parameter drift per module group (the secondary surface): a plain numpy reference of the sums, identical
 parameters, frozen experts in a real Trainer fit, every family's parameters grouped once, the cost of a
-gate, and the same figures on 2 gloo processes under DDP (exact) and FSDP2 (within tolerance)."""
+gate, and the same figures on 2 gloo processes under DDP (exact), FSDP2 and ZeRO-3 (within tolerance)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,22 @@ def _fsdp2_worker(rank: int, world: int) -> dict:
     return drift
 
 
+def _zero3_worker(rank: int, world: int) -> dict:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    model = pm.qwen3_moe()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    ref = ParamReference()
+    ref.take(engine.module, find_routed_layers(engine.module))
+    pm.fill_zero3(engine.module)
+    drift = ref.measure(engine.module)
+    drift["held"] = sum(k.ref.numel() for k in ref.kept.values())
+    return drift
+
+
 def _single_process() -> dict:
     model = pm.qwen3_moe()
     ref = ParamReference()
@@ -184,9 +200,13 @@ def test_ddp_param_drift_equals_one_process_exactly():
 
 
 @pytest.mark.slow
-def test_fsdp2_shards_add_up_to_one_process():
+@pytest.mark.parametrize("layout", ["fsdp2", "zero3"])
+def test_sharded_parameters_add_up_to_one_process(layout):
+    """Each process sums its shard (FSDP2 DTensor ``to_local()``; ZeRO-3 ``ds_tensor`` without the padding)."""
+    if layout == "zero3":
+        pytest.importorskip("deepspeed")
     one = _single_process()
-    workers = run_workers(_fsdp2_worker, 2)
+    workers = run_workers(_fsdp2_worker if layout == "fsdp2" else _zero3_worker, 2)
     total = one["total"]["count"]
     assert all(w["held"] < total for w in workers)  # each process holds a shard only
     for w in workers:
