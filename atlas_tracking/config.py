@@ -225,6 +225,9 @@ class GateConfig:
     checkpoint_on_green: bool = False
     keep_green_checkpoints: int = 3
     log_per_layer: bool = True
+    param_drift: bool = True
+    """Parameter drift per module group against the baseline's parameters (a host copy of the parameters
+    each process holds; see :mod:`atlas_tracking.param_reference`). False: no copy, no ``param_drift``."""
     existing_record: Literal["new_dir", "refuse"] = "new_dir"
     """A fresh run whose out_dir holds another run's record: write to a new directory beside it
     (``<out_dir>-2``, ...; a warning names it) or refuse with an error. Never appended to."""

@@ -50,6 +50,7 @@ from atlas_tracking.canary import Canary, check_canary_fits
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.history import RunDir, RunDirError, append_line, key, new_id, read_history, sha256_text
 from atlas_tracking.measure import ForwardFn, default_forward, measure
+from atlas_tracking.param_reference import ParamDriftError, ParamReference
 from atlas_tracking.phases import model_vocab_size
 from atlas_tracking.policy import GatePolicy, GateSummary
 from atlas_tracking.protection import for_gate, record_fields
@@ -105,6 +106,8 @@ class AtlasGate:
         self.alerts = AlertEngine(self.config.alerts, self.config.lifecycle)
         self.baseline: Baseline | None = None
         self.baseline_path: str | None = None
+        self.param_reference = ParamReference()
+        """The parameters at the baseline (host copy), for the parameter drift beside the atlas drift."""
         self.run_id: str | None = None
         """The run's identity, constant across resumes (set when the run directory is claimed)."""
         self.branch = new_id()
@@ -212,6 +215,7 @@ class AtlasGate:
             self.model, self.canary, baseline=self.baseline, config=config, step=step,
             layers=self.layers, forward=self.forward, keep_anchors=new_baseline,
         )
+        param_drift = self._param_drift(step, new_baseline)
         if new_baseline:
             self.baseline = Baseline.from_report(report)
             target = self.run_dir.baseline_dir(step, self.branch)
@@ -221,6 +225,8 @@ class AtlasGate:
                 self.run_dir.point_baseline(target)
         record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
         record.update(run_id=self.run_id, branch=self.branch, **protection)
+        if param_drift is not None:
+            record["param_drift"] = param_drift
         if log_step is not None:
             record["log_step"] = int(log_step)
         if resume and self._canary_changed_from:
@@ -253,6 +259,21 @@ class AtlasGate:
         config = copy.deepcopy(self.config)
         config.lifecycle.protected_layers = list(chosen["ordinals"])
         return config, record_fields(chosen)
+
+    def _param_drift(self, step: int, new_baseline: bool) -> dict[str, Any] | None:
+        """The parameter drift against the reference (when one is kept), then a new reference at a new
+        baseline (collective). A mismatch with the reference is a warning, never a failed gate."""
+        if not self.config.gate.param_drift:
+            return None
+        drift = None
+        if self.param_reference.ready:
+            try:
+                drift = self.param_reference.measure(self.model)
+            except ParamDriftError as exc:
+                log.warning("atlas: no parameter drift at step %s: %s", step, exc)
+        if new_baseline:
+            self.param_reference.take(self.model, self.layers, step=step)
+        return drift
 
     def _tracker_step(self, record: dict[str, Any]) -> int:
         return int(record.get("log_step", record["step"]))
@@ -373,3 +394,4 @@ class AtlasGate:
                         before[:16], self.canary.fingerprint[:16], self.baseline_path)
             self.baseline_path = None
         self.baseline = None
+        self.param_reference.clear()  # the next gate is a new baseline: parameter drift starts from it

@@ -122,6 +122,26 @@ def gate_record(
     return record
 
 
+def param_drift_metrics(drift: dict[str, Any] | None) -> dict[str, float]:
+    """``atlas/param_drift/<group>`` (relative distance) and ``atlas/param_drift/<group>_moved`` (elements that
+    moved) per module group and for the ``total`` (:mod:`atlas_tracking.receipts.param_drift`).
+
+    >>> param_drift_metrics({"groups": {"experts": {"relative_distance": 0.0, "moved": 0, "count": 8}},
+    ...                      "total": {"relative_distance": 0.01, "moved": 3, "count": 10}})
+    {'atlas/param_drift/experts': 0.0, 'atlas/param_drift/experts_moved': 0.0, 'atlas/param_drift/total': 0.01, 'atlas/param_drift/total_moved': 3.0}
+    """
+    out: dict[str, float] = {}
+    if not drift:
+        return out
+    for name, entry in [*drift.get("groups", {}).items(), ("total", drift.get("total", {}))]:
+        v = finite_number(entry.get("relative_distance"))
+        if v is not None:
+            out[f"atlas/param_drift/{name}"] = v
+        if finite_number(entry.get("moved")) is not None:
+            out[f"atlas/param_drift/{name}_moved"] = float(entry["moved"])
+    return out
+
+
 def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, float]:
     """Scalar tracker metrics of a record under the ``atlas/`` namespace (bounded key count)."""
     out: dict[str, float] = {}
@@ -133,6 +153,7 @@ def gate_metrics(record: dict[str, Any], per_layer: bool = True) -> dict[str, fl
         out["atlas/gate_seconds"] = float(record["gate_seconds"])
     if record.get("ov_cf_terminal_ordinal") is not None:
         out["atlas/ov_cf_cliff_off_terminal"] = float(record.get("ov_cf_cliff_note") is not None)
+    out.update(param_drift_metrics(record.get("param_drift")))
     if record.get("status") in STATUS_CODES:
         out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
     if record.get("stage") in STAGE_CODES:

@@ -28,6 +28,7 @@ from atlas_tracking.figures import (
 )
 from atlas_tracking.gate_report import read_artifact, write_atomic
 from atlas_tracking.history import read_history
+from atlas_tracking.receipts.param_drift import drift_line
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -99,6 +100,8 @@ stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('a
 <h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
+<h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
+if last.get('param_drift') else 'no parameter drift recorded (a baseline gate, or gate.param_drift off).')}</p>
 <h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
 <h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
 <b>Not licensed</b><ul>{unlicensed}</ul><b>First intervention:</b> {html.escape(str(last.get('intervention')))}</div>

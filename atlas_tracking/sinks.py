@@ -102,6 +102,10 @@ class LoggingSink:
             "atlas gate step=%s status=%s stage=%s %s",
             record.get("step", step), record.get("status", "-"), record.get("stage", "-"), summary_line(record),
         )
+        if record.get("param_drift"):
+            from atlas_tracking.receipts.param_drift import drift_line
+
+            self.logger.info("atlas gate step=%s %s", record.get("step", step), drift_line(record["param_drift"]))
 
     def alert(self, event: dict[str, Any]) -> None:
         level = {"INFO": logging.INFO, "WARN": logging.WARNING, "ERROR": logging.ERROR}.get(event.get("level"), 20)

@@ -78,6 +78,9 @@ def test_wandb_offline_fit_is_read_back_with_wandb_records(tmp_path, recwarn):
         assert row["atlas/layer_00/dead_experts"] == rec["layers"][0]["dead_experts"]
         assert row["atlas/layers"]["_type"] == "table-file" and row["atlas/c2_heatmap"]["_type"] == "image-file"
         assert row["atlas/c2_by_layer_table"]["_type"] == "table-file"
+    for row, rec in zip(atlas_rows[1:], records[1:]):  # parameter drift beside the atlas drift
+        assert row["atlas/param_drift/total"] == pytest.approx(rec["param_drift"]["total"]["relative_distance"])
+        assert row["atlas/param_drift/experts_moved"] == rec["param_drift"]["groups"]["experts"]["moved"] > 0
     revoked = [a for a in data["alerts"] if "revoked" in a["title"]]
     assert records[1]["stage"] == "revoked" and len(revoked) == 1 and revoked[0]["level"] == "WARN"
     assert data["summary"]["atlas/stage"] == records[-1]["stage"]
@@ -252,7 +255,9 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
                "atlas/ov_cf_cliff_off_terminal"]
     baseline_keys = sorted(summary + layer_keys)
     drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin"]
-                        + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")])
+                        + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")]
+                        + [f"atlas/param_drift/{g}{m}" for g in ("router", "experts", "attention", "norms", "embeddings",
+                                                                 "total") for m in ("", "_moved")])
     assert mock.calls[0] == ("log_gate", (baseline_keys, 0))
     assert mock.calls[1] == ("log_gate", (drift_keys, 9))  # Lightning logs val_loss of step 10 at step 9
     assert mock.calls[-1] == ("finish", None)
