@@ -64,7 +64,7 @@ shared machine does not stall training on thread barriers (two threads ran 5-10x
 
 DEMO_CONFIG: dict[str, Any] = {
     "receipts": {"progress": False, "anchors": 512},
-    "lifecycle": {"protected_layers": "mid"},
+    "lifecycle": {"protected_layers": "auto"},
     "policy": {"c2_tol": 0.025, "dead_tol": 5.0, "entropy_tol": 0.15, "cv_tol": 15.0, "n_recover": 2},
     "alerts": {"rules": [{"metric": "dead_experts", "op": ">", "value": 12, "scope": "any_protected_layer",
                           "level": "WARN", "min_interval_steps": 400}]},
@@ -212,6 +212,17 @@ def judge_intervention(out: Path, branch_step: int) -> dict[str, Any]:
             "pairs": [(p["stressed_step"], p["candidate_step"]) for p in result["pairs"]]}
 
 
+def protected(out: Path) -> dict[str, Any]:
+    """``atlas-tracking protect`` on the stressed run: the layers ``protected_layers: auto`` chose, and why."""
+    from atlas_tracking.protection import protect, table
+
+    result = protect(out / "stressed" / "atlas", AtlasConfig.from_dict(DEMO_CONFIG))
+    print("\n== atlas-tracking protect: the stressed run's protected layers (section 8.8), from its gates")
+    print(table(result))
+    return {"ordinals": result["ordinals"], "evidence_steps": result["evidence_steps"],
+            "layers": [{k: r[k] for k in ("ordinal", "name", "chosen", "rank", "reason")} for r in result["layers"]]}
+
+
 def cliff(rec: dict[str, Any]) -> dict[str, Any]:
     """The ``ov_cf`` depth profile of a gate and its terminal jump (RECEIPTS.md; seeds/002)."""
     return {"step": rec["step"], "profile": [layer["ov_cf"] for layer in rec["layers"]],
@@ -343,6 +354,8 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
                "healthy_stages": [r["stage"] for r in results["healthy"]],
                "healthy_status": [r["status"] for r in results["healthy"]],
                "intervention_stages": [r["stage"] for r in results["intervention"]],
+               "protected": protected(out),
+               "param_drift": {name: recs[-1].get("param_drift") for name, recs in results.items()},
                "judge": judge_intervention(out, branch.step),
                "cliff": {name: cliff(recs[-1]) for name, recs in results.items()},
                "wall_time_s": round(time.perf_counter() - t0, 1), "cpu_time_s": round(time.process_time() - c0, 1)}
@@ -366,6 +379,10 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
           f"{d['c2_last']:+.4f}, dead experts/layer {d['dead_baseline']:.2f} -> {d['dead_last']:.2f}, "
           f"min entropy {d['min_entropy_baseline']:.2f} -> {d['min_entropy_last']:.2f}, "
           f"mean CV {d['cv_baseline']:.0f} -> {d['cv_last']:.0f}")
+    if summary["param_drift"]["stressed"]:  # the contrast surface (paper Table 7): what moved, beside the atlas
+        from atlas_tracking.receipts.param_drift import drift_line
+
+        print("stressed " + drift_line(summary["param_drift"]["stressed"]))
     print("stressed stages:", " -> ".join(d["stages"]))
     print("healthy stages: ", " -> ".join(summary["healthy_stages"]))
     print("intervention stages:", " -> ".join(summary["intervention_stages"]))

@@ -86,6 +86,14 @@ def check_stressed(out: Path) -> None:
     assert all(r["status"] in ("YELLOW", "RED") for r in post)
     levels = stage_alerts(post)
     assert levels[0] == "WARN" and "ERROR" in levels
+    # parameter drift, the contrast surface: experts and router were frozen, so not one of their elements moved
+    drift = post[-1]["param_drift"]["groups"]
+    assert drift["experts"]["moved"] == 0 and drift["router"]["moved"] == 0
+    assert drift["attention"]["moved"] > 0 and drift["embeddings"]["moved"] > 0
+    # protected_layers auto: mid until two post-baseline gates exist, then chosen from them (the mid band of the
+    # demo's four routed layers is layers 1 and 2, so the chosen set is that band whatever the evidence)
+    assert [r["protected_source"].startswith("mid (no evidence yet") for r in recs] == [True] * 3 + [False] * 3
+    assert all(r["protected_source"] == "auto" and r["protected_layers"] == [1, 2] for r in recs[3:])
 
 
 def check_intervention(out: Path) -> None:
