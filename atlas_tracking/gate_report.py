@@ -271,7 +271,8 @@ def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[st
     problems = []
     for key in ("handoff_margin", "refine_margin", "handoff_layer", "refine_layer", "c2_delta", "c2_delta_ci",
                 "dead_experts_delta", "dead_experts_delta_ci", "min_entropy_delta", "min_entropy_delta_ci",
-                "mean_cv_delta", "mean_cv_delta_ci"):
+                "mean_cv_delta", "mean_cv_delta_ci", "kl_base", "kl_base_ci", "canary_nll_delta",
+                "canary_nll_delta_ci"):
         if not _close(stored.get(key), fresh[key]):
             problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
     for a, b in zip(stored["layers"], fresh["layers"]):
