@@ -280,3 +280,17 @@ def test_two_simulated_ranks_give_the_same_kl_and_top_k(trained, baseline):
 
     merged = [merge_topk(parts, N_WINDOWS, 32) for _, parts in reports]
     assert all(torch.equal(merged[0][k], merged[1][k]) for k in ("logp", "index", "log_rest"))
+
+
+def test_verify_recomputes_kl_base_and_accepts_artifacts_from_before_it(trained, baseline):
+    _, cand, canary = trained
+    data = json.loads(measure(cand, canary, baseline=baseline, config=CFG).to_json())
+    assert verify(data) == []
+    tampered = copy.deepcopy(data)
+    tampered["per_window"]["kl_base"]["sum"][0] += 0.5
+    assert any(p.startswith("drift: kl_base is") for p in verify(tampered))
+    older = copy.deepcopy(data)
+    for key in ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci"):
+        del older["drift"][key]
+    del older["per_window"]["kl_base"]
+    assert verify(older) == []
