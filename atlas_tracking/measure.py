@@ -257,6 +257,15 @@ def _check_finite(layers: list[RoutedLayer], merged_layers: list[dict[str, Any]]
         raise RouterLogitsError(f"router logits hold NaN/Inf in routed layer(s): {', '.join(bad)}")
 
 
+def _window_sums(partials: list[dict[str, Any]], owned: list[np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """Per-window ``{"sum", "count"}`` of ``name`` (``nll``, ``kl``), each window from the rank that owns it."""
+    n = len(owned[0])
+    sums, counts = np.zeros(n), np.zeros(n, dtype=np.int64)
+    for p, own in zip(partials, owned):
+        sums[own], counts[own] = p[f"{name}_sum"][own], p[f"{name}_count"][own]
+    return {"sum": sums, "count": counts}
+
+
 def build_report(
     partials: list[dict[str, Any]],
     layers: list[RoutedLayer],
@@ -272,23 +281,17 @@ def build_report(
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
     _check_finite(layers, merged)
     checks = check_layers(layers, merged)
-    nll_sum, nll_cnt = np.zeros(canary.n_windows), np.zeros(canary.n_windows, dtype=np.int64)
-    for p, own in zip(partials, owned):
-        nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
     meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
              "selfcheck": check}
             for layer, check in zip(layers, checks)]
     per_window: dict[str, Any] = {
-        "canary_nll": {"sum": nll_sum, "count": nll_cnt},
+        "canary_nll": _window_sums(partials, owned, "nll"),
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],
         "cell_counts": [sorted(h["cells"].values(), reverse=True) for h in merged],
     }
     if partials[0]["kl_sum"] is not None:
-        kl_sum, kl_cnt = np.zeros(canary.n_windows), np.zeros(canary.n_windows, dtype=np.int64)
-        for p, own in zip(partials, owned):
-            kl_sum[own], kl_cnt[own] = p["kl_sum"][own], p["kl_count"][own]
-        per_window["kl_base"] = {"sum": kl_sum, "count": kl_cnt}
+        per_window["kl_base"] = _window_sums(partials, owned, "kl")
     exact = []
     for h in merged:
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
