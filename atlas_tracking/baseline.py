@@ -6,6 +6,14 @@ the tangent-projected base fields u0 of R0, base boundary membership b0, and Gam
 positions, reference receipts and the per-window arrays used for paired bootstraps, and the
 sha256 of the tensor file). It is loaded without pickle, and checked before use.
 
+With ``receipts.kl_top_k`` = K > 0 it also keeps, per canary predicted token, the base model's
+top-K log-probabilities (``kl.logp`` fp32 ``[W, T-1, K]``), their vocabulary indices
+(``kl.index`` int32) and the log of the remaining mass (``kl.log_rest`` fp32 ``[W, T-1]``):
+K x 8 + 4 bytes per predicted token, from which each gate's ``kl_base`` is computed
+(:mod:`atlas_tracking.receipts.kl`). The manifest's ``kl`` names K and the vocabulary size, or
+why the tensors are absent; a baseline saved before they existed loads, with ``kl_base``
+reported absent.
+
 Example:
     >>> import numpy as np, torch, tempfile
     >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -21,6 +29,8 @@ Example:
     >>> again = measure(model, canary, baseline=Baseline.load(path), config=cfg)
     >>> [layer["boundary_drift"] for layer in again.drift["layers"]], again.drift["refine_margin"]
     ([0.0, 0.0], 0.25)
+    >>> again.drift["kl_base"], again.drift["canary_nll_delta"]
+    (0.0, 0.0)
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ SCHEMA_VERSION = 1
 KIND = "atlas-baseline"
 TENSORS_FILE = "anchors.safetensors"
 MANIFEST_FILE = "manifest.json"
+KL_TENSORS = ("logp", "index", "log_rest")
+OLD_BASELINE_KL = ("this baseline was saved without the base model's top-K log-probabilities (before kl_base "
+                   "existed); save a new baseline to measure kl_base")
 REFERENCE_KEYS = ("c2", "pi_min", "pi_tail_smooth", "dead_experts", "router_entropy", "load_cv", "canary_nll")
 
 
@@ -89,6 +102,10 @@ class Baseline:
                 t = anchors[key]
                 tensors[f"{i}.{key}"] = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
             tensors[f"{i}.gamma0"] = anchors["gamma0"].contiguous()
+        kl = report.anchors.get("kl") or {"absent": "this gate kept no base log-probabilities"}
+        tensors.update({f"kl.{key}": kl[key] for key in KL_TENSORS if key in kl})
+        kl_info = ({"top_k": int(kl["logp"].shape[-1]), "vocab_size": kl["vocab_size"]} if "logp" in kl
+                   else {"absent": kl["absent"]})
         pw = report.per_window
         layers_pw = [
             {"c2": lpw["c2"], "load": lpw["load"], "valid": lpw["margin_mean"]["count"]} for lpw in pw["layers"]
@@ -102,6 +119,7 @@ class Baseline:
                 "model": {**report.model, "layers": [_layer_key(layer) for layer in report.layers]},
                 "config": report.config,
                 "anchors": {"positions": report.anchors["positions"], "batch_windows": report.anchors["batch_windows"]},
+                "kl": kl_info,
                 "reference": [{k: layer["receipts"].get(k) for k in REFERENCE_KEYS} for layer in report.layers],
                 "summary": report.summary,
                 "per_window": {"canary_nll": pw["canary_nll"], "layers": layers_pw},
@@ -172,6 +190,14 @@ class Baseline:
                     raise BaselineError(f"baseline lacks tensor {i}.{key} for layer {layer['name']}")
             if self.tensors[f"{i}.z0"].shape != (n_anchor, layer["hidden_size"]):
                 raise BaselineError(f"baseline tensor {i}.z0 has shape {tuple(self.tensors[f'{i}.z0'].shape)}")
+        if self.kl_absent is None:
+            canary, k = self.manifest["canary"], self.manifest["kl"]["top_k"]
+            rows = (canary["n_windows"], canary["window"] - 1)
+            for key, shape in (("logp", (*rows, k)), ("index", (*rows, k)), ("log_rest", rows)):
+                t = self.tensors.get(f"kl.{key}")
+                if t is None or tuple(t.shape) != shape:
+                    got = "missing" if t is None else f"shape {tuple(t.shape)}"
+                    raise BaselineError(f"baseline tensor kl.{key} is {got}; the manifest needs shape {shape}")
 
     # --- use --------------------------------------------------------------------------------
     @property
@@ -205,6 +231,21 @@ class Baseline:
             if diff:
                 raise BaselineError(f"architecture mismatch at routed layer {a['name']}: {', '.join(diff)} "
                                     "(baseline vs model)")
+
+    @property
+    def kl_absent(self) -> str | None:
+        """Why this baseline cannot give ``kl_base`` (None when it can)."""
+        kl = self.manifest.get("kl")
+        return OLD_BASELINE_KL if kl is None else kl.get("absent")
+
+    def kl_base_slice(self, start: int, end: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The base top-K (``logp``, ``index``, ``log_rest``) of canary windows ``start:end``; a
+        :class:`BaselineError` naming both sizes when the model's vocabulary is not the baseline's."""
+        base_vocab = self.manifest["kl"]["vocab_size"]
+        if vocab_size != base_vocab:
+            raise BaselineError(f"vocabulary mismatch: the baseline's log-probabilities are over {base_vocab} tokens, "
+                                f"this model's logits over {vocab_size}; kl_base compares the same vocabulary")
+        return tuple(self.tensors[f"kl.{key}"][start:end] for key in KL_TENSORS)  # type: ignore[return-value]
 
     def layer_tensors(self, i: int, device: torch.device) -> dict[str, torch.Tensor]:
         out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS}
@@ -289,6 +330,7 @@ def derive_drift(
     mu = (lc["mu1"], lc["mu2"], lc["mu3"])
     r, r_layer = refine_margin(now, out_layers, reference, protected, mu, lc["tau"], n_tokens)
     summary_deltas = _summary_occupancy_deltas(occ_samples, level)
+    summary_deltas.update(_base_damage(per_window, base_pw, idx, level))
     return jsonable(
         {
             "layers": out_layers,
@@ -320,6 +362,21 @@ def _summary_occupancy_deltas(occ_samples: list[dict[str, Any]], level: float) -
         diff = now[key] - base[key]
         out[f"{key}_delta"] = float(diff[0])
         out[f"{key}_delta_ci"] = list(percentile_ci(diff[1:], level))
+    return out
+
+
+def _base_damage(per_window: dict[str, Any], base_pw: dict[str, Any], idx: np.ndarray, level: float) -> dict[str, Any]:
+    """``kl_base`` (token-weighted mean KL(base || now)) with its window-bootstrap CI (None without the
+    base top-K), and ``canary_nll_delta`` (now minus base) with its paired CI."""
+    out: dict[str, Any] = {"kl_base": None, "kl_base_ci": None}
+    kl = per_window.get("kl_base")
+    if kl is not None:
+        s, c = np.asarray(kl["sum"], float), np.asarray(kl["count"], float)
+        out["kl_base"], out["kl_base_ci"] = ratio(s, c), list(ratio_ci(s, c, idx, level))
+    now, base = per_window["canary_nll"], base_pw["canary_nll"]
+    arrays = [np.asarray(a, float) for a in (now["sum"], now["count"], base["sum"], base["count"])]
+    out["canary_nll_delta"] = ratio(arrays[0], arrays[1]) - ratio(arrays[2], arrays[3])
+    out["canary_nll_delta_ci"] = list(diff_ci(*arrays, idx, level))
     return out
 
 

@@ -69,7 +69,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
         Baseline.from_report(report).save(args.save_baseline)
     print(layer_table(report.layers))
-    print(summary_line(report.summary))
+    damage = {k: v for k, v in (report.drift or {}).items() if k in ("kl_base", "canary_nll_delta")}
+    print(summary_line({**report.summary, **damage}))
+    if report.drift is not None and report.drift.get("kl_base_absent"):
+        print(f"kl_base absent: {report.drift['kl_base_absent']}")
     print(f"wrote {args.out} ({len(report.layers)} routed layers, {canary.n_tokens} canary tokens, {elapsed:.2f}s)")
     return 0
 

@@ -66,6 +66,10 @@ class ReceiptsConfig:
     """Anchor tokens kept in a baseline for drift receipts."""
     baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Storage dtype of the base expert fields in a baseline artifact."""
+    kl_top_k: int = 32
+    """Base log-probabilities kept per canary predicted token in a baseline (the top-K and the remaining
+    mass) for ``kl_base``, the bounded forward KL(base || now) each gate reports: K x 8 + 4 bytes per token
+    (fp32 log-probabilities, int32 indices, fp32 log of the rest). 0 keeps none (no ``kl_base``)."""
     content_quantile: float = 0.9
     """Quantile over the active set in ``content_drift``."""
     terminal_band: int = 3
@@ -81,6 +85,8 @@ class ReceiptsConfig:
         for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors", "terminal_band"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
+        if isinstance(self.kl_top_k, bool) or not isinstance(self.kl_top_k, int) or self.kl_top_k < 0:
+            raise ConfigError(f"'{prefix}kl_top_k' must be an integer >= 0 (0: no kl_base), got {self.kl_top_k!r}")
         if any(d <= 0 for d in self.boundary_deltas):
             raise ConfigError(f"'{prefix}boundary_deltas' must be positive numbers, got {self.boundary_deltas!r}")
 

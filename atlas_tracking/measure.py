@@ -42,6 +42,7 @@ from atlas_tracking.capture import (
 )
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import GateReport, derive, model_fingerprint, protected_ordinals
+from atlas_tracking.receipts.kl import base_topk, window_kl
 from atlas_tracking.receipts.nll import window_nll
 from atlas_tracking.selfcheck import check_layers
 from atlas_tracking.sharding import model_class_name, reshard
@@ -167,8 +168,9 @@ def measure_partial(
 ) -> dict[str, Any]:
     """This rank's share of a gate: per-window host arrays for the windows it owns.
 
-    With ``collect`` the anchor tensors a baseline needs are kept; with a ``baseline`` the
-    drift receipts are computed in the same hooks.
+    With ``collect`` the anchor tensors a baseline needs are kept (and the base top-K
+    log-probabilities, ``receipts.kl_top_k`` of them per predicted token); with a ``baseline`` the
+    drift receipts are computed in the same hooks, and ``kl_base`` on the logits.
     """
     rcfg = config.receipts
     device = _model_device(model)
@@ -182,6 +184,10 @@ def measure_partial(
         captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
+    kl_k = rcfg.kl_top_k if collect else 0
+    with_kl = baseline is not None and baseline.kl_absent is None
+    kl_sum, kl_cnt = torch.zeros_like(nll_sum), torch.zeros_like(nll_cnt)
+    topk_parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
     owned = np.zeros(canary.n_windows, dtype=bool)
     shown = _Progress(sum(e - s for s, e in kept), rcfg.progress, progress)
     was_training = model.training
@@ -201,6 +207,12 @@ def measure_partial(
                 if logits is not None:
                     s, c = window_nll(logits[: end - start], ids[: end - start])
                     nll_sum[start:end], nll_cnt[start:end] = s, c
+                    if kl_k:
+                        topk = base_topk(logits[: end - start], kl_k)
+                        topk_parts.append((start, *(t.cpu() for t in topk), logits.shape[-1]))
+                    if with_kl:
+                        base_kl = baseline.kl_base_slice(start, end, logits.shape[-1])
+                        kl_sum[start:end], kl_cnt[start:end] = window_kl(logits[: end - start], *base_kl)
                 owned[start:end] = True
                 shown.step(end - start)
     finally:
@@ -219,6 +231,9 @@ def measure_partial(
         "layers": [cap.acc.to_host() for cap in captures],
         "nll_sum": nll_sum.cpu().numpy(),
         "nll_count": nll_cnt.cpu().numpy(),
+        "kl_sum": kl_sum.cpu().numpy() if with_kl else None,
+        "kl_count": kl_cnt.cpu().numpy() if with_kl else None,
+        "topk": topk_parts if kl_k else None,
         "anchors": collected_anchors(captures) if collect else None,
         "gamma": [cap.gamma0 for cap in captures],
     }
@@ -242,6 +257,15 @@ def _check_finite(layers: list[RoutedLayer], merged_layers: list[dict[str, Any]]
         raise RouterLogitsError(f"router logits hold NaN/Inf in routed layer(s): {', '.join(bad)}")
 
 
+def _window_sums(partials: list[dict[str, Any]], owned: list[np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """Per-window ``{"sum", "count"}`` of ``name`` (``nll``, ``kl``), each window from the rank that owns it."""
+    n = len(owned[0])
+    sums, counts = np.zeros(n), np.zeros(n, dtype=np.int64)
+    for p, own in zip(partials, owned):
+        sums[own], counts[own] = p[f"{name}_sum"][own], p[f"{name}_count"][own]
+    return {"sum": sums, "count": counts}
+
+
 def build_report(
     partials: list[dict[str, Any]],
     layers: list[RoutedLayer],
@@ -257,18 +281,17 @@ def build_report(
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
     _check_finite(layers, merged)
     checks = check_layers(layers, merged)
-    nll_sum, nll_cnt = np.zeros(canary.n_windows), np.zeros(canary.n_windows, dtype=np.int64)
-    for p, own in zip(partials, owned):
-        nll_sum[own], nll_cnt[own] = p["nll_sum"][own], p["nll_count"][own]
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
     meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
              "selfcheck": check}
             for layer, check in zip(layers, checks)]
-    per_window = {
-        "canary_nll": {"sum": nll_sum, "count": nll_cnt},
+    per_window: dict[str, Any] = {
+        "canary_nll": _window_sums(partials, owned, "nll"),
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],
         "cell_counts": [sorted(h["cells"].values(), reverse=True) for h in merged],
     }
+    if partials[0]["kl_sum"] is not None:
+        per_window["kl_base"] = _window_sums(partials, owned, "kl")
     exact = []
     for h in merged:
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
@@ -306,8 +329,21 @@ def build_report(
             "layers": layer_anchors,
             "positions": anchors.positions.tolist(),
             "batch_windows": rcfg.batch_windows,
+            "kl": merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k),
         }
     return report
+
+
+def merge_topk(parts: list[Any], n_windows: int, top_k: int) -> dict[str, Any]:
+    """The ranks' base top-K micro-batches in window order (``logp``, ``index``, ``log_rest`` and the
+    logits' ``vocab_size``), or the reason they are absent (``{"absent": why}``)."""
+    if top_k == 0:
+        return {"absent": "receipts.kl_top_k was 0 when this baseline was measured"}
+    pieces = sorted((q for p in parts if p for q in p), key=lambda q: q[0])
+    if sum(q[1].shape[0] for q in pieces) != n_windows:
+        return {"absent": "the forward returned no logits for some canary windows"}
+    logp, index, log_rest = (torch.cat([q[i] for q in pieces]).contiguous() for i in (1, 2, 3))
+    return {"logp": logp, "index": index, "log_rest": log_rest, "vocab_size": pieces[0][4]}
 
 
 def measure(
@@ -374,6 +410,8 @@ def attach_drift(report: GateReport, baseline: Any, handoff_reference: list[dict
         report.layers, report.per_window, base_pw, reference, handoff_reference or reference,
         report.canary["n_windows"] * report.canary["window"], report.config["receipts"], report.config["lifecycle"],
     )
+    if "kl_base" not in report.per_window:
+        report.drift["kl_base_absent"] = baseline.kl_absent or "the forward returned no logits"
     report.drift["baseline"] = {
         "step": baseline.manifest.get("step"),
         "canary_fingerprint": baseline.manifest["canary"]["fingerprint"],

@@ -44,7 +44,11 @@ METRIC_NAMES = {"mean_cv": "mean_cv_pct", "max_cv": "max_cv_pct"}
 LAYER_METRICS = ("c2", "dead_experts", "router_entropy", "load_cv", "margin_mean", "ov_cf", "c2_delta", "boundary_drift")
 """Per-layer receipts logged at every gate (one key per routed layer each)."""
 
-DRIFT_METRICS = ("handoff_margin", "refine_margin")
+DRIFT_METRICS = ("handoff_margin", "refine_margin", "kl_base", "canary_nll_delta")
+
+BASE_DAMAGE_FIELDS = ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci", "kl_base_absent")
+"""Base-domain damage against the baseline (:mod:`atlas_tracking.receipts.kl`): the bounded KL(base || now),
+the canary NLL delta, their CIs, and why ``kl_base`` is absent when it is."""
 
 CLIFF_FIELDS = ("ov_cf_terminal_jump_ci", "ov_cf_adjacent_jump_ci", "ov_cf_terminal_ordinal", "ov_cf_cliff_ordinal",
                 "ov_cf_cliff_note")
@@ -114,6 +118,7 @@ def gate_record(
         for key in ("c2", "dead_experts", "min_entropy", "mean_cv"):
             record[f"{key}_delta"] = report.drift[f"{key}_delta"]
             record[f"{key}_delta_ci"] = report.drift[f"{key}_delta_ci"]
+        record.update({k: report.drift.get(k) for k in BASE_DAMAGE_FIELDS if k in report.drift})
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")
     if baseline_path is not None:
         record["baseline_path"] = baseline_path

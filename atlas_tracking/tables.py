@@ -74,12 +74,16 @@ def layer_table(layers: list[dict[str, Any]]) -> str:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """One line: C2, dead experts, min entropy, mean load CV (in %), margin, canary NLL."""
+    """One line: C2, dead experts, min entropy, mean load CV (in %), margin, canary NLL (and, against a
+    baseline, the canary NLL delta and ``kl_base``)."""
     def f(key: str, fmt: str) -> str:
         v = summary.get(key)
         return "-" if v is None else format(v, fmt)
 
-    return (
+    line = (
         f"c2={f('c2', '.4f')} dead={f('dead_experts', '.1f')} min_H={f('min_entropy', '.3f')} "
         f"cv%={f('mean_cv', '.1f')} margin={f('margin', '.4f')} nll={f('canary_nll', '.4f')}"
     )
+    if "canary_nll_delta" in summary:
+        line += f" nll_delta={f('canary_nll_delta', '+.4f')} kl_base={f('kl_base', '.4g')}"
+    return line

@@ -97,6 +97,8 @@ def workspace_sections(n_layers: int) -> list[SectionSpec]:
         )),
         SectionSpec("atlas: drift and lifecycle", (
             _line("handoff and refinement margins (positive: inside)", "handoff_margin", "refine_margin"),
+            _line("base-domain damage: bounded KL(base || now), canary NLL minus the baseline's", "kl_base",
+                  "canary_nll_delta"),
             _line("gate wall time (s)", "gate_seconds"),
         )),
         SectionSpec("atlas: per layer", (

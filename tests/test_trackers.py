@@ -254,7 +254,8 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
                "atlas/gate_seconds", "atlas/ov_cf_terminal_jump", "atlas/ov_cf_adjacent_jump",
                "atlas/ov_cf_cliff_off_terminal"]
     baseline_keys = sorted(summary + layer_keys)
-    drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin"]
+    drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin", "atlas/kl_base",
+                                         "atlas/canary_nll_delta"]
                         + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")]
                         + [f"atlas/param_drift/{g}{m}" for g in ("router", "experts", "attention", "norms", "embeddings",
                                                                  "total") for m in ("", "_moved")])
