@@ -223,6 +223,13 @@ def protected(out: Path) -> dict[str, Any]:
             "layers": [{k: r[k] for k in ("ordinal", "name", "chosen", "rank", "reason")} for r in result["layers"]]}
 
 
+def base_damage(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kl_base and the canary NLL delta of each gate read against a reference (RECEIPTS.md; seeds/002)."""
+    return [{"step": r["step"], "reference_step": r.get("baseline_step"),
+             **{k: r.get(k) for k in ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci")}}
+            for r in recs if r.get("kl_base") is not None]
+
+
 def cliff(rec: dict[str, Any]) -> dict[str, Any]:
     """The ``ov_cf`` depth profile of a gate and its terminal jump (RECEIPTS.md; seeds/002)."""
     return {"step": rec["step"], "profile": [layer["ov_cf"] for layer in rec["layers"]],
@@ -356,6 +363,7 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
                "intervention_stages": [r["stage"] for r in results["intervention"]],
                "protected": protected(out),
                "param_drift": {name: recs[-1].get("param_drift") for name, recs in results.items()},
+               "base_damage": {name: base_damage(recs) for name, recs in results.items()},
                "judge": judge_intervention(out, branch.step),
                "cliff": {name: cliff(recs[-1]) for name, recs in results.items()},
                "wall_time_s": round(time.perf_counter() - t0, 1), "cpu_time_s": round(time.process_time() - c0, 1)}
@@ -389,9 +397,14 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
     print("\n== terminal cliff: ov_cf by routed layer at each run's last gate, and the terminal jump "
           "(terminal layer minus the mean of the band before it)")
     for name, c in summary["cliff"].items():
-        ci = c["terminal_jump_ci"] or [None, None]
         print(f"{name:12s} step {c['step']:4d}  ov_cf {' '.join(f'{v:.3f}' for v in c['profile'])}  terminal jump "
-              f"{c['terminal_jump']:+.3f} [{_signed(ci[0])}, {_signed(ci[1])}]" + (f"  ({c['note']})" if c["note"] else ""))
+              f"{c['terminal_jump']:+.3f} {_ci(c['terminal_jump_ci'])}" + (f"  ({c['note']})" if c["note"] else ""))
+    print("\n== base-domain damage: KL(reference || now) on the canary (bounded, top-32 of the reference kept in its "
+          "baseline) and the canary NLL change, per gate against its reference")
+    for name, rows in summary["base_damage"].items():
+        print(f"{name:12s} " + "; ".join(
+            f"{r['step']}: KL {r['kl_base']:.4f} {_ci(r['kl_base_ci'])} dNLL {_signed(r['canary_nll_delta'])}"
+            for r in rows))
     j = summary["judge"]
     print(f"\n== judge verdict on the intervention: {j['verdict']}"
           + (f" (failing: {', '.join(j['failing'])})" if j["failing"] else "")
@@ -407,6 +420,11 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
 
 def _signed(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.3f}"
+
+
+def _ci(ci: list[float | None] | None) -> str:
+    lo, hi = ci or (None, None)
+    return f"[{_signed(lo)}, {_signed(hi)}]"
 
 
 def main(argv: list[str] | None = None) -> int:
