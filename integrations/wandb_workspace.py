@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from atlas_tracking.integrations.wandb import STEP_KEY
 
+from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.record import LAYER_METRICS, METRIC_NAMES
 
 PanelKind = Literal["line", "media", "bar", "table"]
@@ -63,10 +64,24 @@ def _bar(title: str, chart_key: str, value: str) -> PanelSpec:
     return PanelSpec("bar", title, (f"{chart_key}_table",), {"label": "layer", "value": value})
 
 
-def workspace_sections(n_layers: int) -> list[SectionSpec]:
-    """The gate's layout for a model with ``n_layers`` routed layers (per-layer section closed)."""
+def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROUPS) -> list[SectionSpec]:
+    """The gate's layout for a model with ``n_layers`` routed layers (per-layer section closed).
+
+    ``param_groups`` are the module groups the model's parameter drift is logged for (``atlas/param_drift/*``;
+    :func:`param_groups_in_record` reads them from a run's record; empty: no parameter-drift panels).
+    """
     if n_layers < 1:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+    unknown = set(param_groups) - set(PARAM_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown parameter groups {sorted(unknown)}; known: {', '.join(PARAM_GROUPS)}")
+    drift_groups = (*param_groups, "total") if param_groups else ()
+    param_panels = (
+        _line("parameter drift ||θ - θ_ref|| / ||θ_ref|| per module group (the contrast, not the verdict)",
+              *(f"param_drift/{g}" for g in drift_groups)),
+        _line("parameters moved per module group (elements != the baseline's)",
+              *(f"param_drift/{g}_moved" for g in drift_groups)),
+    ) if drift_groups else ()
     per_layer = tuple(
         PanelSpec("line", f"{metric} per layer", tuple(f"atlas/layer_{i:02d}/{metric}" for i in range(n_layers)))
         for metric in LAYER_METRICS
@@ -99,6 +114,7 @@ def workspace_sections(n_layers: int) -> list[SectionSpec]:
             _line("handoff and refinement margins (positive: inside)", "handoff_margin", "refine_margin"),
             _line("base-domain damage: bounded KL(base || now), canary NLL minus the baseline's", "kl_base",
                   "canary_nll_delta"),
+            *param_panels,
             _line("gate wall time (s)", "gate_seconds"),
         )),
         SectionSpec("atlas: per layer", (
@@ -126,6 +142,17 @@ def layers_in_record(path: str | Path) -> int:
     return len(records[-1].get("layers", []))
 
 
+def param_groups_in_record(path: str | Path) -> tuple[str, ...]:
+    """The module groups of the parameter drift in the last gate of a local ``gates.jsonl`` that has one
+    (in :data:`PARAM_GROUPS` order); all of them when no gate has parameter drift yet."""
+    from atlas_tracking.sinks import JsonlSink
+
+    for record in reversed(JsonlSink(path).records()):
+        if record.get("param_drift"):
+            return tuple(g for g in PARAM_GROUPS if g in record["param_drift"]["groups"])
+    return PARAM_GROUPS
+
+
 def _panel(spec: PanelSpec, x_axis: str) -> Any:
     import wandb_workspaces.reports.v2 as wr
 
@@ -139,7 +166,8 @@ def _panel(spec: PanelSpec, x_axis: str) -> Any:
     return wr.WeavePanelSummaryTable(table_name=spec.keys[0])
 
 
-def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> Any:
+def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY,
+                    param_groups: tuple[str, ...] = PARAM_GROUPS) -> Any:
     """A ``wandb_workspaces`` Workspace for the gate (built offline; call ``.save()`` to publish it).
 
     ``x_axis`` is the step metric the gates are logged against: ``trainer/global_step`` for Lightning's
@@ -149,32 +177,34 @@ def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas
     import wandb_workspaces.workspaces as ws
 
     sections = [ws.Section(name=s.name, panels=[_panel(p, x_axis) for p in s.panels], is_open=s.is_open)
-                for s in workspace_sections(n_layers)]
+                for s in workspace_sections(n_layers, param_groups)]
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
 
 
-def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY) -> str:
+def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY,
+                   param_groups: tuple[str, ...] = PARAM_GROUPS) -> str:
     """Build and save the workspace to W&B; returns its URL."""
-    workspace = build_workspace(entity, project, n_layers, name, x_axis)
+    workspace = build_workspace(entity, project, n_layers, name, x_axis, param_groups)
     workspace.save()
     return str(workspace.url)
 
 
-def _spec_json(n_layers: int, x_axis: str) -> str:
+def _spec_json(n_layers: int, x_axis: str, param_groups: tuple[str, ...]) -> str:
     def panel(p: PanelSpec) -> dict[str, Any]:
         return {"kind": p.kind, "title": p.title, "keys": list(p.keys), **({"x": x_axis} if p.kind == "line" else {})}
 
     return json.dumps([{"section": s.name, "open": s.is_open, "panels": [panel(p) for p in s.panels]}
-                       for s in workspace_sections(n_layers)], indent=1)
+                       for s in workspace_sections(n_layers, param_groups)], indent=1)
 
 
 def cmd_wandb_workspace(args: argparse.Namespace) -> int:
     n_layers = args.layers if args.layers is not None else layers_in_record(args.record)
+    groups = PARAM_GROUPS if args.record is None else param_groups_in_record(args.record)
     if args.print:
-        print(_spec_json(n_layers, args.x_axis))
+        print(_spec_json(n_layers, args.x_axis, groups))
         return 0
     try:
-        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis)
+        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis, groups)
     except ImportError as exc:
         raise ValueError(f"saving a workspace needs wandb-workspaces (pip install 'atlas-tracking[wandb]'): {exc}") from None
     print(f"saved W&B workspace '{args.name}' ({n_layers} routed layers): {url}")

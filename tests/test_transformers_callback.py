@@ -62,7 +62,8 @@ def check_delivery(tmp_path, out, trainer, experiment: str = "atlas-trainer") ->
     assert run["summary"]["atlas/status"] == recs[-1]["status"]
     # the saved workspace's panels read keys this run holds, against the Trainer's x-axis
     keys = set().union(*(row.keys() for row in run["history"]))
-    assert logged_keys(workspace_sections(len(recs[0]["layers"]))) | {TRAINER_STEP_KEY} <= keys
+    groups = tuple(recs[-1]["param_drift"]["groups"])  # the module groups this model's parameter drift names
+    assert logged_keys(workspace_sections(len(recs[0]["layers"]), groups)) | {TRAINER_STEP_KEY} <= keys
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (ml,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from atlas_tracking.integrations.wandb_workspace import build_workspace, logged_keys, workspace_sections
+from atlas_tracking.integrations.wandb_workspace import (
+    build_workspace,
+    logged_keys,
+    param_groups_in_record,
+    workspace_sections,
+)
 from lightning_helpers import QUIET, tiny_canary, tiny_module
 
 from atlas_tracking.cli import main
@@ -40,9 +45,11 @@ def logged_run(tmp_path_factory):
 
 
 def test_layout_names_only_keys_the_sink_logs(logged_run):
-    data, n_layers, _ = logged_run
+    data, n_layers, record = logged_run
+    groups = param_groups_in_record(record)
+    assert groups == ("router", "experts", "attention", "norms", "embeddings")  # the tiny model has no "other"
     keys = set().union(*(row.keys() for row in data["history"]))
-    wanted = logged_keys(workspace_sections(n_layers))
+    wanted = logged_keys(workspace_sections(n_layers, groups))
     assert wanted - keys == set()
     # and it shows every scalar the sink logs, per-layer ones behind their own section
     scalars = {k for row in data["history"] for k, v in row.items() if k.startswith("atlas/") and isinstance(v, float)}

@@ -1,0 +1,72 @@
+"""Parameter drift, measured: the time it adds to a gate (the reference copy and the measurement).
+
+``python benchmarks/param_drift.py`` writes ``benchmarks/param_drift.json`` and prints it. The model is
+the demo's Qwen3-MoE (``examples/moe_lightning.build_qwen3_moe``: 1.65M parameters, 4 routed layers,
+E=32, k=2, random init) and the canary the demo's (64 windows x 128 tokens). Times are one process, one
+torch thread, ``--repeats`` passes, CPU seconds of the process (``time.process_time``: on a shared machine
+wall time carries the others' load); the ratio is of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+from demo import data  # noqa: E402
+from moe_lightning import build_qwen3_moe  # noqa: E402
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
+from atlas_tracking.adapters import find_routed_layers  # noqa: E402
+from atlas_tracking.param_reference import ParamReference  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--out", default=str(HERE / "param_drift.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model = build_qwen3_moe(seed=0).eval()
+    layers = find_routed_layers(model)
+    canary = Canary.from_token_ids(data()["prose"][2], window=128, n_windows=64, seed=0)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "anchors": 512}})
+    baseline = Baseline.from_report(measure(model, canary, config=cfg))
+    ref = ParamReference()
+    times: dict[str, list[float]] = {"gate": [], "reference_copy": [], "param_drift_measure": []}
+    for _ in range(args.repeats):
+        t0 = time.process_time()
+        measure(model, canary, baseline=baseline, config=cfg)
+        t1 = time.process_time()
+        ref.take(model, layers, step=0)
+        t2 = time.process_time()
+        ref.measure(model)
+        t3 = time.process_time()
+        for name, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[name].append(t)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    result = {
+        "model": "demo Qwen3-MoE (d=64, 4 routed layers, E=32, k=2, vocabulary 256), random init",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "host_bytes_of_the_reference": ref.host_bytes,
+        "cpu_seconds_median": med,
+        "ratio_param_drift_over_gate": (med["reference_copy"] + med["param_drift_measure"]) / med["gate"],
+        "cpu_seconds_all": times,
+        "torch_threads": 1,
+        "repeats": args.repeats,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
