@@ -256,6 +256,17 @@ def read_history(path: str | Path, check: Callable[[dict[str, Any]], Any] | None
     return history
 
 
+def read_run_gates(path: str | Path) -> tuple[list[dict[str, Any]], Path]:
+    """A run's history (:func:`read_history`) and its gates file, for the commands that read a finished
+    run. Raises :class:`HistoryError` (or ``OSError`` for a missing record) when it cannot be read or
+    holds no gates."""
+    file = gates_file(path)
+    records = read_history(file)
+    if not records:
+        raise HistoryError(f"{file} holds no gates")
+    return records, file
+
+
 # --- the run directory ---------------------------------------------------------------------------
 
 

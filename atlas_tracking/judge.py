@@ -55,7 +55,7 @@ import numpy as np
 
 from atlas_tracking.config import AtlasConfig
 from atlas_tracking.gate_report import ArtifactError, jsonable, read_artifact
-from atlas_tracking.history import HistoryError, RunDir, file_sha256, gates_file, read_history
+from atlas_tracking.history import HistoryError, RunDir, file_sha256, read_run_gates
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.stats import bootstrap_indices, percentile_ci, ratio_samples
 from atlas_tracking.record import finite_number
@@ -259,12 +259,9 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
 
 def _history(path: str | Path, name: str) -> tuple[list[dict[str, Any]], Path]:
     try:
-        file = gates_file(path)
-        records = read_history(file)
+        records, file = read_run_gates(path)
     except (HistoryError, OSError) as exc:
         raise JudgeError(f"{name} run: {exc}") from None
-    if not records:
-        raise JudgeError(f"{name} run: {file} holds no gates")
     return records, file.parent
 
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from atlas_tracking.config import AtlasConfig, LifecycleConfig
 from atlas_tracking.gate_report import protected_ordinals
-from atlas_tracking.history import HistoryError, gates_file, read_history
+from atlas_tracking.history import HistoryError, gates_file, read_history, read_run_gates
 from atlas_tracking.record import finite_number
 
 AUTO = "auto"
@@ -298,12 +298,9 @@ def protect(path: str | Path, config: AtlasConfig | None = None) -> dict[str, An
     """
     cfg = config or AtlasConfig()
     try:
-        file = gates_file(path)
-        records = read_history(file)
+        records, file = read_run_gates(path)
     except (HistoryError, OSError) as exc:
         raise ProtectionError(str(exc)) from None
-    if not records:
-        raise ProtectionError(f"{file} holds no gates")
     ev, steps = evidence(records)
     if len(steps) < cfg.lifecycle.auto_min_gates:
         raise ProtectionError(f"{file} has {len(steps)} post-baseline gate(s) with per-layer C2 deltas; "

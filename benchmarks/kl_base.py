@@ -24,10 +24,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from demo import data  # noqa: E402
+from demo import demo_canary  # noqa: E402
 from moe_lightning import build_qwen3_moe  # noqa: E402
 
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
+from atlas_tracking import AtlasConfig, Baseline, measure  # noqa: E402
 
 
 def _size(directory: Path) -> int:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build_qwen3_moe(seed=0).eval()
-    canary = Canary.from_token_ids(data()["prose"][2], window=128, n_windows=64, seed=0)
+    canary = demo_canary()
     cfgs = {k: AtlasConfig.from_dict({"receipts": {"progress": False, "anchors": 512, "kl_top_k": k}}) for k in (0, 32)}
     tmp = Path(tempfile.mkdtemp())
     baselines, sizes = {}, {}

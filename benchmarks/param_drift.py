@@ -21,10 +21,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from demo import data  # noqa: E402
+from demo import demo_canary  # noqa: E402
 from moe_lightning import build_qwen3_moe  # noqa: E402
 
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
+from atlas_tracking import AtlasConfig, Baseline, measure  # noqa: E402
 from atlas_tracking.adapters import find_routed_layers  # noqa: E402
 from atlas_tracking.param_reference import ParamReference  # noqa: E402
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     model = build_qwen3_moe(seed=0).eval()
     layers = find_routed_layers(model)
-    canary = Canary.from_token_ids(data()["prose"][2], window=128, n_windows=64, seed=0)
+    canary = demo_canary()
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "anchors": 512}})
     baseline = Baseline.from_report(measure(model, canary, config=cfg))
     ref = ParamReference()

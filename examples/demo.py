@@ -132,6 +132,11 @@ def data() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     return {"prose": _split(encode(prose_text())), "code": _split(encode(code_text(1_500_000)))}
 
 
+def demo_canary(streams: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> Canary:
+    """The canary of every run: 64 windows of 128 tokens from the held-out prose (``streams`` from :func:`data`)."""
+    return Canary.from_token_ids((streams or data())["prose"][2], window=128, n_windows=64, seed=0)
+
+
 def make_loggers(run_dir: Path, name: str, trackers: bool) -> list[Any]:
     if not trackers:
         return []
@@ -330,7 +335,7 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     t0, c0 = time.perf_counter(), time.process_time()
     streams = data()
-    canary = Canary.from_token_ids(streams["prose"][2], window=128, n_windows=64, seed=0)
+    canary = demo_canary(streams)
     canary.save(out / "canary.npz")
     AtlasConfig.from_dict(DEMO_CONFIG)  # validate the embedded config up front
     healthy, stress, fix = phases(quick)

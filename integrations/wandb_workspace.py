@@ -68,7 +68,7 @@ def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROU
     """The gate's layout for a model with ``n_layers`` routed layers (per-layer section closed).
 
     ``param_groups`` are the module groups the model's parameter drift is logged for (``atlas/param_drift/*``;
-    :func:`param_groups_in_record` reads them from a run's record; empty: no parameter-drift panels).
+    :func:`record_layout` reads them from a run's record; empty: no parameter-drift panels).
     """
     if n_layers < 1:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
@@ -132,25 +132,18 @@ def logged_keys(sections: list[SectionSpec]) -> set[str]:
     return {key for s in sections for p in s.panels for key in p.keys}
 
 
-def layers_in_record(path: str | Path) -> int:
-    """The routed-layer count of the last gate in a local ``gates.jsonl`` record."""
+def record_layout(path: str | Path) -> tuple[int, tuple[str, ...]]:
+    """From a local ``gates.jsonl`` record: the routed-layer count of its last gate, and the module groups of
+    the parameter drift in the last gate that has one (in :data:`PARAM_GROUPS` order; all of them when no
+    gate has parameter drift yet)."""
     from atlas_tracking.sinks import JsonlSink
 
     records = JsonlSink(path).records()
     if not records:
         raise ValueError(f"{path} holds no gate record to read the layer count from")
-    return len(records[-1].get("layers", []))
-
-
-def param_groups_in_record(path: str | Path) -> tuple[str, ...]:
-    """The module groups of the parameter drift in the last gate of a local ``gates.jsonl`` that has one
-    (in :data:`PARAM_GROUPS` order); all of them when no gate has parameter drift yet."""
-    from atlas_tracking.sinks import JsonlSink
-
-    for record in reversed(JsonlSink(path).records()):
-        if record.get("param_drift"):
-            return tuple(g for g in PARAM_GROUPS if g in record["param_drift"]["groups"])
-    return PARAM_GROUPS
+    drift = next((r["param_drift"] for r in reversed(records) if r.get("param_drift")), None)
+    groups = PARAM_GROUPS if drift is None else tuple(g for g in PARAM_GROUPS if g in drift["groups"])
+    return len(records[-1].get("layers", [])), groups
 
 
 def _panel(spec: PanelSpec, x_axis: str) -> Any:
@@ -198,8 +191,7 @@ def _spec_json(n_layers: int, x_axis: str, param_groups: tuple[str, ...]) -> str
 
 
 def cmd_wandb_workspace(args: argparse.Namespace) -> int:
-    n_layers = args.layers if args.layers is not None else layers_in_record(args.record)
-    groups = PARAM_GROUPS if args.record is None else param_groups_in_record(args.record)
+    n_layers, groups = (args.layers, PARAM_GROUPS) if args.record is None else record_layout(args.record)
     if args.print:
         print(_spec_json(n_layers, args.x_axis, groups))
         return 0

@@ -11,7 +11,7 @@ import torch
 from atlas_tracking.integrations.wandb_workspace import (
     build_workspace,
     logged_keys,
-    param_groups_in_record,
+    record_layout,
     workspace_sections,
 )
 from lightning_helpers import QUIET, tiny_canary, tiny_module
@@ -46,7 +46,8 @@ def logged_run(tmp_path_factory):
 
 def test_layout_names_only_keys_the_sink_logs(logged_run):
     data, n_layers, record = logged_run
-    groups = param_groups_in_record(record)
+    layers_read, groups = record_layout(record)
+    assert layers_read == n_layers
     assert groups == ("router", "experts", "attention", "norms", "embeddings")  # the tiny model has no "other"
     keys = set().union(*(row.keys() for row in data["history"]))
     wanted = logged_keys(workspace_sections(n_layers, groups))
