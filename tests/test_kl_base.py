@@ -31,6 +31,7 @@ from atlas_tracking.record import gate_metrics, gate_record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from demo_data import code_text, encode, prose_text
+from receipt_tolerance import FLOAT_TOL
 
 CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 200, "anchors": 64, "batch_windows": 4}})
 WINDOW, N_WINDOWS = 32, 8
@@ -273,13 +274,22 @@ def test_two_simulated_ranks_give_the_same_kl_and_top_k(trained, baseline):
         attach_drift(report, baseline)
         reports.append((report, [p["topk"] for p in parts]))
     (one, _), (two, _) = reports
-    # same machine, same micro-batch layout per window: identical numbers
-    assert one.per_window["kl_base"]["sum"].tolist() == two.per_window["kl_base"]["sum"].tolist()
-    assert one.drift["kl_base"] == two.drift["kl_base"]
+    # two ranks split the windows into other micro-batches than one rank does: a batch layout of its own, so
+    # the numbers agree within the world-size tolerance (tests/receipt_tolerance.py), not bit for bit
+    assert np.allclose(one.per_window["kl_base"]["sum"], two.per_window["kl_base"]["sum"], rtol=0, atol=FLOAT_TOL)
+    assert one.per_window["kl_base"]["count"].tolist() == two.per_window["kl_base"]["count"].tolist()
+    assert abs(one.drift["kl_base"] - two.drift["kl_base"]) <= FLOAT_TOL
     from atlas_tracking.measure import merge_topk
 
-    merged = [merge_topk(parts, N_WINDOWS, 32) for _, parts in reports]
-    assert all(torch.equal(merged[0][k], merged[1][k]) for k in ("logp", "index", "log_rest"))
+    a, b = (merge_topk(parts, N_WINDOWS, 32) for _, parts in reports)
+    for key in ("logp", "log_rest"):
+        assert torch.allclose(a[key], b[key], rtol=0, atol=FLOAT_TOL), key
+    # the top-K indices agree wherever the ranking is not a near-tie: both neighbouring log-probabilities lie
+    # further apart than the tolerance (the K-th, whose follower is not kept, is left out)
+    gaps = a["logp"].diff(dim=-1).abs() > FLOAT_TOL
+    clear = torch.cat([gaps[..., :1], gaps[..., 1:] & gaps[..., :-1]], dim=-1)
+    assert clear.float().mean() > 0.9
+    assert torch.equal(a["index"][..., :-1][clear], b["index"][..., :-1][clear])
 
 
 def test_verify_recomputes_kl_base_and_accepts_artifacts_from_before_it(trained, baseline):
