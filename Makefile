@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test docs lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The documentation site (docs/, MkDocs): strict, so a broken link or anchor fails; the reference tables are
+# generated from the code at every build (docs/hooks.py). `make test` builds it too (tests/unit/test_docs_site.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -31,4 +36,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

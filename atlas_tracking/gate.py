@@ -5,11 +5,10 @@ Megatron-Core loops: measure the receipts (collectively, on every rank), keep or
 baseline, read the gate with the policy, evaluate alert rules, then on rank zero write the
 local record (``<out_dir>/gates.jsonl``, first) and deliver to the trackers.
 
-The record is one history per run (:mod:`atlas_tracking.history`): a fresh gate never appends to
+The record is one history per run (:mod:`atlas_tracking.artifacts.history`): a fresh gate never appends to
 another run's directory (``gate.existing_record``), and :meth:`AtlasGate.resume` after a restart
 moves gates of an abandoned branch aside, brings the policy up to date and lets the trackers
 catch up. In a plain loop, keep ``gate.state_dict()`` in the checkpoint and resume with it::
-
     gate = AtlasGate(model, canary, "atlas.yaml", out_dir="atlas")
     if restored is not None:
         gate.resume(restored["step"], restored["atlas"])   # on every rank
@@ -44,18 +43,22 @@ import torch
 from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
-from atlas_tracking.alerts import AlertEngine
-from atlas_tracking.baseline import Baseline, BaselineError
-from atlas_tracking.canary import Canary, check_canary_fits
-from atlas_tracking.config import AtlasConfig
-from atlas_tracking.history import RunDir, RunDirError, append_line, key, new_id, read_history, sha256_text
-from atlas_tracking.measure import ForwardFn, default_forward, measure
-from atlas_tracking.param_reference import ParamDriftError, ParamReference
-from atlas_tracking.phases import model_vocab_size
-from atlas_tracking.policy import GatePolicy, GateSummary
-from atlas_tracking.protection import for_gate, record_fields
-from atlas_tracking.record import gate_metrics, gate_record
-from atlas_tracking.sinks import Delivery, JsonlSink, WebhookSink
+from atlas_tracking.artifacts.baseline import Baseline, BaselineError
+from atlas_tracking.artifacts.history import append_line, key, new_id, read_history
+from atlas_tracking.artifacts.io import sha256_text, write_atomic
+from atlas_tracking.artifacts.record import gate_metrics, gate_record
+from atlas_tracking.artifacts.run_dir import RunDir, RunDirError
+from atlas_tracking.decisions.alerts import AlertEngine
+from atlas_tracking.decisions.phases import model_vocab_size
+from atlas_tracking.decisions.policy import GatePolicy, GateSummary
+from atlas_tracking.decisions.protection import for_gate, record_fields
+from atlas_tracking.engine.canary import Canary, check_canary_fits
+from atlas_tracking.engine.measure import ForwardFn, default_forward, measure
+from atlas_tracking.engine.param_reference import ParamDriftError, ParamReference
+from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.sinks.delivery import Delivery
+from atlas_tracking.sinks.jsonl import JsonlSink
+from atlas_tracking.sinks.webhook import WebhookSink
 
 log = logging.getLogger("atlas_tracking")
 
@@ -208,7 +211,7 @@ class AtlasGate:
         t0 = time.perf_counter()
         self._load_existing_baseline()
         resume = self._resume_pending
-        # In pretraining every gate becomes the next one's reference (RECEIPTS.md, Lifecycle phases).
+        # In pretraining every gate becomes the next one's reference (docs/policy.md#lifecycle-phases).
         new_baseline = self.baseline is None or resume or self.policy.rolls_reference
         config, protection = self._protection()
         report = measure(
@@ -249,7 +252,7 @@ class AtlasGate:
     def _protection(self) -> tuple[AtlasConfig, dict[str, Any]]:
         """The configuration this gate measures with and the record fields of its protected set: with
         ``protected_layers: auto`` the set is chosen from the run's history before the gate (on rank zero,
-        shared with every rank; :mod:`atlas_tracking.protection`), else the configuration as it is."""
+        shared with every rank; :mod:`atlas_tracking.decisions.protection`), else the configuration as it is."""
         if self.config.lifecycle.protected_layers != "auto":
             return self.config, {}
         names = [layer.name for layer in self.layers]
@@ -280,8 +283,6 @@ class AtlasGate:
 
     def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]]) -> None:
         if self.keep_receipts:
-            from atlas_tracking.gate_report import write_atomic
-
             text = report.to_json()
             write_atomic(self.run_dir.receipts_file(record["step"]), text)
             record["receipts_sha256"] = sha256_text(text)

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
 KINDS = ("random", "in_gate", "record_write", "delivery")
 GATE_EVERY = 10
 
@@ -73,8 +72,8 @@ def _arm(root: Path, kind: str, count: int) -> None:
 
         gate_module.measure = measured_then_pause
     elif kind == "record_write":
-        import atlas_tracking.sinks as sinks_module
-        from atlas_tracking.history import append_line
+        import atlas_tracking.sinks.jsonl as sinks_module
+        from atlas_tracking.artifacts.history import append_line
 
         def half_written(path, obj):
             path = Path(path)
@@ -105,7 +104,6 @@ def _arm(root: Path, kind: str, count: int) -> None:
 
 
 def child(root: Path, max_steps: int, arm: str | None) -> int:
-    sys.path.insert(0, str(TESTS))
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -130,7 +128,8 @@ def child(root: Path, max_steps: int, arm: str | None) -> int:
     from atlas_tracking.integrations.wandb import WandbSink
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-    from lightning_helpers import QUIET, tiny_canary, tiny_data, tiny_module
+
+    from atlas_tracking.testing.tiny import QUIET, tiny_canary, tiny_data, tiny_module
 
     wandb_logger = WandbLogger(project="atlas-crash", save_dir=str(root), offline=True)
     mlflow_logger = MLFlowLogger(experiment_name="atlas-crash", tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
@@ -174,7 +173,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _complete_lines(path: Path) -> list[dict[str, Any]]:
-    from atlas_tracking.history import read_lines
+    from atlas_tracking.artifacts.history import read_lines
 
     return read_lines(path)
 
@@ -247,10 +246,11 @@ def _run(root: Path, plan: list[str], rng: random.Random, max_steps: int, final_
 
 def check(root: Path, acknowledged: set[tuple[int, str | None]]) -> dict[str, Any]:
     """The counts the issue asks for, read from the run directory and the trackers."""
-    from atlas_tracking.integrations.wandb import read_wandb_offline
     from mlflow.tracking import MlflowClient
 
-    from atlas_tracking.history import RECORD_FILES, read_history, read_lines
+    from atlas_tracking.artifacts.history import read_history, read_lines
+    from atlas_tracking.artifacts.run_dir import RECORD_FILES
+    from atlas_tracking.testing.wandb_offline import read_wandb_offline
 
     atlas = root / "atlas"
     partial = 0

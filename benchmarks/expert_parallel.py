@@ -2,7 +2,7 @@
 ``benchmarks/expert_parallel.json``.
 
 (a) Bytes per gate and layer: what a gate's field exchange sends between processes
-    (``atlas_tracking.fields.ExpertParallelFields``: request counts, rows and expert ids, answers) beside
+    (``atlas_tracking.engine.fields.ExpertParallelFields``: request counts, rows and expert ids, answers) beside
     what the forward's own expert dispatch sends over the same canary (DeepSpeed MoE: two all_to_all of
     capacity-sized ``[E, C, d]`` buffers per layer; AutoEP: two variable all_to_all of the routed rows;
     Megatron-Core allgather dispatcher: gather of the tokens, routing map and probabilities, reduce-scatter
@@ -16,8 +16,8 @@
     baseline gate and a drift gate. The one process runs with torch's default threads (as a user runs
     it), each of 2 and 4 processes with one.
 
-Processes are gloo workers on this machine (tests/gloo_workers.py); the models are the tests' models
-(tests/parallel_models.py), every weight seeded by its global name, so all placements hold the same weights.
+Processes are gloo workers on this machine (atlas_tracking.testing.distributed); the models are the tests' models
+(atlas_tracking.testing.parallel_models), every weight seeded by its global name, so all placements hold the same weights.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+import atlas_tracking.testing.parallel_models as pm
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.engine.measure import micro_batches
+from atlas_tracking.testing.distributed import run_workers
+from atlas_tracking.testing.tolerance import FLOAT_TOL, deviations
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
-import numpy as np  # noqa: E402
-import parallel_models as pm  # noqa: E402
-import torch  # noqa: E402
-from gloo_workers import run_workers  # noqa: E402
-from receipt_tolerance import FLOAT_TOL, deviations  # noqa: E402
-
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
-from atlas_tracking.measure import micro_batches  # noqa: E402
 
 WINDOW, N_WINDOWS, BATCH_WINDOWS = 64, 32, 4
 """The benchmark canary: 32 windows of 64 tokens, micro-batches of 4 windows (8 per gate)."""
@@ -74,12 +74,11 @@ class CollectiveBytes:
     def installed(self, blocks: list[torch.nn.Module]):
         import torch.distributed as dist
 
-        from atlas_tracking.fields import ExpertParallelFields
+        from atlas_tracking.engine.fields import ExpertParallelFields
 
         saved = {name: getattr(dist, name) for name in
                  ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather")}
         saved_exchange = ExpertParallelFields._exchange
-
 
         def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
             size, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
@@ -135,7 +134,7 @@ class CollectiveBytes:
 
 def _plain_forward(model: torch.nn.Module, canary: Canary, rank: int, world: int, forward) -> None:
     """The forward calls a gate makes on this rank, without the gate."""
-    from atlas_tracking.measure import _forward_ids
+    from atlas_tracking.engine.measure import _forward_ids
 
     model.eval()
     with torch.no_grad():
@@ -161,7 +160,7 @@ def _timed(fn) -> float:
 
 def _build(family: str, rank: int, world: int, stack: contextlib.ExitStack):
     """(module to measure, its MoE blocks, forward(model, ids)) for one family at ``ep_size = world``."""
-    from atlas_tracking.measure import default_forward
+    from atlas_tracking.engine.measure import default_forward
 
     if family == "deepspeed":
         import deepspeed

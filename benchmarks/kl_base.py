@@ -1,7 +1,7 @@
 """kl_base, measured: the baseline's growth and a gate's time with and without the base top-K.
 
 ``python benchmarks/kl_base.py`` writes ``benchmarks/kl_base.json`` and prints it. The model is the
-demo's Qwen3-MoE (``examples/moe_lightning.build_qwen3_moe``: d=64, 4 routed layers, E=32, k=2,
+demo's Qwen3-MoE (``atlas_tracking.testing.lightning_lm.build_qwen3_moe``: d=64, 4 routed layers, E=32, k=2,
 byte vocabulary 256, random init: neither the sizes nor the times depend on training) and the
 canary the demo's (64 windows x 128 tokens of held-out prose, 8128 predicted tokens). Times are
 one process, one torch thread, passes interleaved, ``--repeats`` of each, as CPU seconds of the
@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from atlas_tracking import AtlasConfig, Baseline, measure
+from atlas_tracking.testing.demo import demo_canary
+from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-
-from demo import demo_canary  # noqa: E402
-from moe_lightning import build_qwen3_moe  # noqa: E402
-
-from atlas_tracking import AtlasConfig, Baseline, measure  # noqa: E402
 
 
 def _size(directory: Path) -> int:

@@ -1,7 +1,7 @@
 """Parameter drift, measured: the time it adds to a gate (the reference copy and the measurement).
 
 ``python benchmarks/param_drift.py`` writes ``benchmarks/param_drift.json`` and prints it. The model is
-the demo's Qwen3-MoE (``examples/moe_lightning.build_qwen3_moe``: 1.65M parameters, 4 routed layers,
+the demo's Qwen3-MoE (``atlas_tracking.testing.lightning_lm.build_qwen3_moe``: 1.65M parameters, 4 routed layers,
 E=32, k=2, random init) and the canary the demo's (64 windows x 128 tokens). Times are one process, one
 torch thread, ``--repeats`` passes, CPU seconds of the process (``time.process_time``: on a shared machine
 wall time carries the others' load); the ratio is of the medians.
@@ -12,21 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from atlas_tracking import AtlasConfig, Baseline, measure
+from atlas_tracking.adapters import find_routed_layers
+from atlas_tracking.engine.param_reference import ParamReference
+from atlas_tracking.testing.demo import demo_canary
+from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-
-from demo import demo_canary  # noqa: E402
-from moe_lightning import build_qwen3_moe  # noqa: E402
-
-from atlas_tracking import AtlasConfig, Baseline, measure  # noqa: E402
-from atlas_tracking.adapters import find_routed_layers  # noqa: E402
-from atlas_tracking.param_reference import ParamReference  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,25 +23,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure  # noqa: E402
 
 QUIET = {"receipts": {"progress": False}}
 
 
 def demo_model(experts: int = 32, hidden: int = 64, seed: int = 0, device: str = "cpu", dtype=torch.float32):
-    from moe_lightning import build_qwen3_moe
+    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
     return build_qwen3_moe(seed=seed, hidden=hidden, experts=experts, aux_coef=0.0).to(device, dtype).eval()
 
 
 def demo_canary(n_windows: int = 64, window: int = 128) -> Canary:
-    from demo_data import encode, prose_text
+    from atlas_tracking.testing.demo_data import encode, prose_text
 
     return Canary.from_token_ids(encode(prose_text()), window=window, n_windows=n_windows, seed=0)
 
@@ -93,9 +93,10 @@ def baseline_size(model, canary: Canary) -> dict:
 
 
 _PEAK_CHILD = r"""
-import json, sys, torch
-sys.path.insert(0, {examples!r}); sys.path.insert(0, {bench!r})
-from run import demo_model, realistic_model, demo_canary, plain_forward, QUIET
+import json, runpy, torch
+bench = runpy.run_path({run!r}, run_name="bench_run")
+demo_model, realistic_model, demo_canary = bench["demo_model"], bench["realistic_model"], bench["demo_canary"]
+plain_forward, QUIET = bench["plain_forward"], bench["QUIET"]
 from atlas_tracking import AtlasConfig, measure
 mode, spec = {mode!r}, {spec!r}
 model = demo_model() if spec is None else realistic_model(**spec, device="cpu")
@@ -130,7 +131,7 @@ def peak_memory(model, canary: Canary, spec: dict | None = None, windows: int = 
         return out | {"ratio": out["gate"] / max(out["plain_forward"], 1), "how": "cuda max_memory_allocated"}
     out = {}
     for mode in ("plain", "gate"):
-        code = _PEAK_CHILD.format(examples=str(HERE.parent / "examples"), bench=str(HERE), mode=mode, spec=spec,
+        code = _PEAK_CHILD.format(run=str(HERE / "run.py"), mode=mode, spec=spec,
                                   windows=windows)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
@@ -191,8 +192,9 @@ def training_overhead(steps: int, every: int) -> dict:
 
     import lightning.pytorch as pl
     from atlas_tracking.integrations.lightning import AtlasCallback
-    from demo_data import encode, prose_text
-    from moe_lightning import MoELM, build_qwen3_moe, loaders
+
+    from atlas_tracking.testing.demo_data import encode, prose_text
+    from atlas_tracking.testing.lightning_lm import MoELM, build_qwen3_moe, loaders
 
     warnings.filterwarnings("ignore")
     prose = encode(prose_text())

@@ -1,6 +1,6 @@
 """The main job: a small MoE trained on real text, where loss improves while the atlas degrades.
 
-``make demo`` runs it on embedded defaults (see the README for the times a fresh machine sees):
+``make demo`` runs it on embedded defaults (docs/demo.md says what to look for):
 
 1. healthy: a 32-expert Qwen3-MoE (random init, byte-level) learns English prose that ships with
    Python (``pydoc_data``), every parameter trainable, with a load-balancing loss; gates every
@@ -23,11 +23,11 @@
    the four checks of section 8.9 (real fix / not yet / not comparable), whatever it is.
 
 Each run's last gate also gives the depth profile of routing self-consistency (``ov_cf``) and its
-terminal jump (seeds/002), printed at the end.
+terminal jump (docs/receipts.md#terminal-cliff), printed at the end.
 
 Training is as deterministic as the platform allows (``torch.use_deterministic_algorithms``, a fixed
 thread count, seeded data order): one machine gives the same records run after run; another CPU
-may differ in the last digits, which the policy's tolerances absorb (README, Choosing tolerances).
+may differ in the last digits, which the policy's tolerances absorb (docs/policy.md#choosing-tolerances).
 
 The canary is a held-out slice of the prose, fixed for all the runs. Gates go to
 ``<run>/atlas/gates.jsonl`` first, then to W&B (offline) and MLflow (sqlite), both read back at
@@ -47,29 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import lightning.pytorch as pl
+import torch
 
-import lightning.pytorch as pl  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from demo_data import code_text, encode, prose_text  # noqa: E402
-
-from atlas_tracking import AtlasConfig, Canary  # noqa: E402
-from atlas_tracking.tables import format_table  # noqa: E402
+from atlas_tracking import AtlasConfig, Canary
+from atlas_tracking.testing.demo import DEMO_CONFIG, data, demo_canary, gate_table, records
 
 THREADS = 1
 """One intra-op thread: no float reduction is split differently on a machine with more cores, and a
 shared machine does not stall training on thread barriers (two threads ran 5-10x slower under load)."""
-
-DEMO_CONFIG: dict[str, Any] = {
-    "receipts": {"progress": False, "anchors": 512},
-    "lifecycle": {"protected_layers": "auto"},
-    "policy": {"c2_tol": 0.025, "dead_tol": 5.0, "entropy_tol": 0.15, "cv_tol": 15.0, "n_recover": 2},
-    "alerts": {"rules": [{"metric": "dead_experts", "op": ">", "value": 12, "scope": "any_protected_layer",
-                          "level": "WARN", "min_interval_steps": 400}]},
-}
-"""Embedded atlas config of the demo (the same keys a user puts in atlas.yaml)."""
 
 
 @dataclass
@@ -123,20 +109,6 @@ class BranchAtIntervene(pl.Callback):
             self.weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
 
 
-def _split(stream: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    a, b = int(0.8 * len(stream)), int(0.9 * len(stream))
-    return stream[:a], stream[a:b], stream[b:]
-
-
-def data() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    return {"prose": _split(encode(prose_text())), "code": _split(encode(code_text(1_500_000)))}
-
-
-def demo_canary(streams: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None) -> Canary:
-    """The canary of every run: 64 windows of 128 tokens from the held-out prose (``streams`` from :func:`data`)."""
-    return Canary.from_token_ids((streams or data())["prose"][2], window=128, n_windows=64, seed=0)
-
-
 def make_loggers(run_dir: Path, name: str, trackers: bool) -> list[Any]:
     if not trackers:
         return []
@@ -159,7 +131,8 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
     """
     from atlas_tracking.integrations.lightning import AtlasCallback
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from moe_lightning import MoELM, build_qwen3_moe, loaders
+
+    from atlas_tracking.testing.lightning_lm import MoELM, build_qwen3_moe, loaders
 
     run_dir = out / phase.name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -206,7 +179,7 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
 
 def judge_intervention(out: Path, branch_step: int) -> dict[str, Any]:
     """``atlas-tracking judge`` of the intervention against the stressed run, under the demo's tolerances."""
-    from atlas_tracking.judge import judge, table
+    from atlas_tracking.decisions.judge import judge, table
 
     result = judge(out / "stressed" / "atlas", out / "intervention" / "atlas", AtlasConfig.from_dict(DEMO_CONFIG))
     print(f"\n== atlas-tracking judge: the intervention (from the stressed step {branch_step}) against the stressed "
@@ -219,7 +192,7 @@ def judge_intervention(out: Path, branch_step: int) -> dict[str, Any]:
 
 def protected(out: Path) -> dict[str, Any]:
     """``atlas-tracking protect`` on the stressed run: the layers ``protected_layers: auto`` chose, and why."""
-    from atlas_tracking.protection import protect, table
+    from atlas_tracking.decisions.protection import protect, table
 
     result = protect(out / "stressed" / "atlas", AtlasConfig.from_dict(DEMO_CONFIG))
     print("\n== atlas-tracking protect: the stressed run's protected layers (section 8.8), from its gates")
@@ -229,14 +202,14 @@ def protected(out: Path) -> dict[str, Any]:
 
 
 def base_damage(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kl_base and the canary NLL delta of each gate read against a reference (RECEIPTS.md; seeds/002)."""
+    """kl_base and the canary NLL delta of each gate read against a reference (docs/receipts.md#terminal-cliff)."""
     return [{"step": r["step"], "reference_step": r.get("baseline_step"),
              **{k: r.get(k) for k in ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci")}}
             for r in recs if r.get("kl_base") is not None]
 
 
 def cliff(rec: dict[str, Any]) -> dict[str, Any]:
-    """The ``ov_cf`` depth profile of a gate and its terminal jump (RECEIPTS.md; seeds/002)."""
+    """The ``ov_cf`` depth profile of a gate and its terminal jump (docs/receipts.md#terminal-cliff)."""
     return {"step": rec["step"], "profile": [layer["ov_cf"] for layer in rec["layers"]],
             "terminal_jump": rec.get("ov_cf_terminal_jump"), "terminal_jump_ci": rec.get("ov_cf_terminal_jump_ci"),
             "cliff_ordinal": rec.get("ov_cf_cliff_ordinal"), "note": rec.get("ov_cf_cliff_note")}
@@ -244,9 +217,8 @@ def cliff(rec: dict[str, Any]) -> dict[str, Any]:
 
 def compare_checkpoints(pretrained: dict, stressed, canary: Canary, out: Path) -> None:
     """Save both ends of the stressed run as transformers checkpoints and run ``atlas-tracking compare``."""
-    from moe_lightning import build_qwen3_moe
-
     from atlas_tracking.cli import main as cli
+    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
     base = build_qwen3_moe(seed=0)
     base.load_state_dict(pretrained)
@@ -257,23 +229,8 @@ def compare_checkpoints(pretrained: dict, stressed, canary: Canary, out: Path) -
          "--canary", str(out / "canary.npz"), "--out", str(out / "drift.json"), "--quiet"])
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "atlas" / "gates.jsonl").read_text().splitlines()]
-
-
-def gate_table(recs: list[dict[str, Any]]) -> str:
-    """One row per gate; ``ref`` is the step the deltas are against (the previous gate in pretraining)."""
-    header = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
-              "alerts"]
-    rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("c2_delta"), r.get("dead_experts"), r.get("min_entropy"),
-             r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), r.get("status"),
-             r.get("stage"), "-" if not r.get("handoff") else ("yes" if r["handoff"]["ready"] else "no"),
-             ",".join(a["level"] for a in r.get("alerts", [])) or "-"] for r in recs]
-    return format_table(header, rows)
-
-
 def readiness(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Handoff readiness of the pretraining gates (RECEIPTS.md, Lifecycle phases)."""
+    """Handoff readiness of the pretraining gates (docs/policy.md#lifecycle-phases)."""
     return [{"step": r["step"], "status": r["status"], "stage": r["stage"], "ready": r["handoff"]["ready"],
              "stable_gates": r["handoff"]["stable_gates"], "margin": r["handoff"]["margin"],
              "reasons": r["handoff"]["reasons"]} for r in recs if r.get("phase") == "pretraining" and r.get("handoff")]
@@ -297,7 +254,7 @@ def read_back(out: Path) -> dict[str, Any]:
     """Count what the trackers hold: W&B offline files (wandb's own records) and the MLflow store."""
     found: dict[str, Any] = {}
     try:
-        from atlas_tracking.integrations.wandb import wait_for_offline_run
+        from atlas_tracking.testing.wandb_offline import wait_for_offline_run
 
         for run in RUNS:
             for run_dir in sorted((out / run / "wandb").glob("offline-run-*")):
@@ -375,7 +332,7 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
     if trackers:
         summary["trackers"] = read_back(out)
     if extras:
-        from atlas_tracking.report import write_report
+        from atlas_tracking.viz.html_report import write_report
 
         for phase in phases_run:
             write_report(out / phase.name, out / phase.name / "report.html", png_dir=out / phase.name / "figures")

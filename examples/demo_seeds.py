@@ -3,7 +3,7 @@
     python examples/demo_seeds.py --seeds 1 2 3 4 5 --out out/seeds [--quick] [--jobs 2]
 
 Each seed (model initialisation and data order; the canary is fixed) runs the demo's two runs in
-its own process, without trackers or extras. Read from the records (paired deltas, RECEIPTS.md):
+its own process, without trackers or extras. Read from the records (paired deltas, docs/receipts.md#paired-deltas):
 
 - pretraining: gate-to-gate changes of C2, dead experts, min entropy and mean CV (the reference
   rolls forward), after the first post-baseline gate (the random-init transition is listed apart);
@@ -11,7 +11,7 @@ its own process, without trackers or extras. Read from the records (paired delta
 - stressed: each gate against its baseline.
 
 The verdicts are re-derived from the records with ``replay`` under the demo's configuration, so a
-change of tolerances is judged without retraining. Prints the tables the README's "Choosing
+change of tolerances is judged without retraining. Prints the tables of docs/policy.md's "Choosing
 tolerances" guide quotes and writes ``<out>/noise.json``.
 """
 
@@ -26,14 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking import AtlasConfig
+from atlas_tracking.decisions.replay import replay
+from atlas_tracking.testing.demo import DEMO_CONFIG, records
+from atlas_tracking.viz.tables import format_table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from demo import DEMO_CONFIG, records  # noqa: E402
-
-from atlas_tracking import AtlasConfig  # noqa: E402
-from atlas_tracking.replay import replay  # noqa: E402
-from atlas_tracking.tables import format_table  # noqa: E402
 
 RECEIPTS = ("c2", "dead_experts", "min_entropy", "mean_cv")
 BAD_SIGN = {"c2": -1, "dead_experts": 1, "min_entropy": -1, "mean_cv": 1}

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from atlas_tracking.integrations.lightning import AtlasCallback
-from demo_data import VOCAB_SIZE, code_text, encode, prose_text
-from moe_lightning import loaders
 
 from atlas_tracking import Canary
+from atlas_tracking.testing.demo_data import VOCAB_SIZE, code_text, encode, prose_text
+from atlas_tracking.testing.lightning_lm import loaders
 
 
 def litgpt_moe(seed: int = 0, layers: int = 2, width: int = 64, experts: int = 8):

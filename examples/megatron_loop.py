@@ -8,7 +8,7 @@ With CUDA the run is as before: NCCL process group, ``model_parallel_cuda_manual
 with expert bias and the alltoall token dispatcher.
 
 Without CUDA the model trains end to end on one gloo rank (world size 1). The set-up lives in
-``examples/megatron_cpu.py``, which ``tests/test_megatron.py`` shares. That module's docstring
+``atlas_tracking.testing.megatron_cpu``, which the tests share. That module's docstring
 explains each item:
 
 * ``cpu_stand_in_for_router_gating`` replaces ``TopKRouter.gating``. The real gating moves the
@@ -30,12 +30,9 @@ import argparse
 import contextlib
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def build_model(vocab: int = 256, seq: int = 128, **config_overrides):
@@ -57,12 +54,12 @@ def build_model(vocab: int = 256, seq: int = 128, **config_overrides):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo_data import encode, prose_text
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from atlas_tracking import Canary
     from atlas_tracking.gate import AtlasGate
+    from atlas_tracking.testing.demo_data import encode, prose_text
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -79,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             model_parallel_cuda_manual_seed(0)
             model = build_model().cuda()
             mask = None
-        else:  # see examples/megatron_cpu.py for each stand-in and setting
-            from megatron_cpu import CPU_CONFIG, causal_mask, megatron_on_one_cpu_rank
+        else:  # see atlas_tracking.testing.megatron_cpu for each stand-in and setting
+            from atlas_tracking.testing.megatron_cpu import CPU_CONFIG, causal_mask, megatron_on_one_cpu_rank
 
             device = "cpu"
             stack.enter_context(megatron_on_one_cpu_rank(seed=0))

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from demo_data import VOCAB_SIZE, encode, prose_text
-from torchtitan_cpu import cpu_histc_for_expert_counts, deepseek_v3
 
 from atlas_tracking import Canary
 from atlas_tracking.gate import AtlasGate
+from atlas_tracking.testing.demo_data import VOCAB_SIZE, encode, prose_text
+from atlas_tracking.testing.torchtitan_cpu import cpu_histc_for_expert_counts, deepseek_v3
 
 
 def update_expert_bias(model: torch.nn.Module) -> None:

@@ -27,15 +27,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from demo import DEMO_CONFIG, data, gate_table  # noqa: E402
-from demo_data import VOCAB_SIZE  # noqa: E402
-
-from atlas_tracking import Canary  # noqa: E402
+from atlas_tracking import Canary
+from atlas_tracking.testing.demo import DEMO_CONFIG, data, gate_table
+from atlas_tracking.testing.demo_data import VOCAB_SIZE
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|pad|>")
 """Added after the 256 byte ids: ids 256, 257 (end of turn, the eos token), 258 (padding)."""
@@ -136,7 +133,7 @@ class ByteWindowSet(torch.utils.data.Dataset):
     """Causal-LM windows of the demo's prose for the plain Trainer (``input_ids`` = ``labels``)."""
 
     def __init__(self, stream: np.ndarray, window: int, length: int, seed: int):
-        from moe_lightning import ByteWindows
+        from atlas_tracking.testing.lightning_lm import ByteWindows
 
         self.windows = ByteWindows(stream, window, length, seed)
 
@@ -152,8 +149,9 @@ def pretrain(out: Path, steps: int, prose: tuple[np.ndarray, ...], canary: Canar
     """The demo's model and prose, pretrained with a plain transformers Trainer and the atlas callback: the
     random-weight step-0 baseline makes the gates read the pretraining phase (``policy.phase: auto``)."""
     from atlas_tracking.integrations.transformers import AtlasTrainerCallback
-    from moe_lightning import build_qwen3_moe
     from transformers import Trainer, TrainingArguments
+
+    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
     train_s, val_s, _ = prose
     every = max(1, steps // 2)
@@ -223,8 +221,9 @@ def gate_cost(trainer, records: list[dict[str, Any]], canary: Canary) -> dict[st
 
 def read_back(out: Path) -> dict[str, Any]:
     """What the trackers hold: the W&B offline run (wandb's records) and the MLflow run (sqlite store)."""
-    from atlas_tracking.integrations.wandb import wait_for_offline_run
     from mlflow.tracking import MlflowClient
+
+    from atlas_tracking.testing.wandb_offline import wait_for_offline_run
 
     found: dict[str, Any] = {}
     for run_dir in sorted((out / "wandb").glob("offline-run-*")):

@@ -9,15 +9,16 @@ random token selection draws from a fixed seed. A residual MoE (``use_residual``
 its ``mlp`` through the ``coefficient`` mix as the transport baseline. With ``ep_size > 1`` rank ``r``
 of the layer's expert-parallel group holds experts ``r * n_local .. (r + 1) * n_local - 1``
 (``expert_placement``); a gate asks the owning rank for the fields of experts held elsewhere
-(``atlas_tracking.fields``). ``zero3_gathered`` gathers ZeRO-3 partitions for ``atlas_tracking.sharding``.
+(``atlas_tracking.engine.fields``). ``zero3_gathered`` gathers ZeRO-3 partitions for ``atlas_tracking.engine.sharding``.
 
 DeepSpeed has no norm inside the MoE layer: the pre-norm is found in the parent block (one
 RMSNorm/LayerNorm-like child, or a common name) or given with ``norms={"blocks.0.moe": block.norm2}``.
+In a loop under ``deepspeed.initialize`` (``examples/deepspeed_loop.py`` runs it)::
 
-    >>> from atlas_tracking.integrations.deepspeed import deepspeed_layers   # doctest: +SKIP
-    >>> layers = deepspeed_layers(engine.module)                               # works under deepspeed.initialize
-    >>> gate = AtlasGate(engine.module, canary, "atlas.yaml", layers=layers)
-    >>> gate.run(step, loss=val_loss)
+    from atlas_tracking.integrations.deepspeed import deepspeed_layers
+    layers = deepspeed_layers(engine.module)
+    gate = AtlasGate(engine.module, canary, "atlas.yaml", layers=layers)
+    gate.run(step, loss=val_loss)
 """
 
 from __future__ import annotations
@@ -211,8 +212,3 @@ def deepspeed_layers(model: nn.Module, norms: dict[str, nn.Module] | None = None
     return layers
 
 
-def zero3_gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
-    """ZeRO-3 partitioned ``params`` gathered inside the block and partitioned again on exit (read-only)."""
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

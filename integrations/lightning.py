@@ -7,11 +7,10 @@ record and tracker delivery. Trackers are picked up from ``trainer.loggers`` (``
 validation metrics at. A failing gate never stops training: it is written to
 ``atlas/errors.jsonl`` and reported as a warning. ``trainer.fit(..., ckpt_path=...)`` resumes
 the run's record (:meth:`AtlasGate.resume`); ``trainer.validate()`` and ``trainer.test()`` run a
-gate outside the training history (``atlas/evaluations.jsonl``).
-
-    >>> from atlas_tracking.integrations.lightning import AtlasCallback   # doctest: +SKIP
-    >>> trainer = L.Trainer(callbacks=[AtlasCallback(canary="canary.npz", config="atlas.yaml")],
-    ...                     logger=[WandbLogger(...), MLFlowLogger(tracking_uri="sqlite:///mlflow.db")])
+gate outside the training history (``atlas/evaluations.jsonl``)::
+    from atlas_tracking.integrations.lightning import AtlasCallback
+    trainer = L.Trainer(callbacks=[AtlasCallback(canary="canary.npz", config="atlas.yaml")],
+                        logger=[WandbLogger(...), MLFlowLogger(tracking_uri="sqlite:///mlflow.db")])
 """
 
 from __future__ import annotations
@@ -22,15 +21,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from atlas_tracking.integrations.mlflow import MlflowSink
+from atlas_tracking.integrations.wandb import WandbSink
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from atlas_tracking.callbacks import LossSource, ValidationGates
-from atlas_tracking.canary import Canary
-from atlas_tracking.config import AtlasConfig
+from atlas_tracking.engine.canary import Canary
+from atlas_tracking.engine.measure import default_forward
 from atlas_tracking.gate import AtlasGate
-from atlas_tracking.measure import default_forward
-from atlas_tracking.sinks import LoggingSink
+from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.schema.record import Stage, Status
+from atlas_tracking.sinks.console import LoggingSink
 
 log = logging.getLogger("lightning.pytorch.callbacks.atlas")
 
@@ -54,12 +56,8 @@ def tracker_sinks(loggers: list[Any]) -> list[Any]:
     for logger in loggers:
         kind = type(logger).__name__
         if kind == "WandbLogger":
-            from atlas_tracking.integrations.wandb import WandbSink
-
             sinks.append(WandbSink(logger=logger))
         elif kind == "MLFlowLogger":
-            from atlas_tracking.integrations.mlflow import MlflowSink
-
             sinks.append(MlflowSink(logger=logger))
     return sinks
 
@@ -175,7 +173,7 @@ class AtlasCallback(pl.Callback):
         record = self._gate(trainer, self.losses.read(trainer.callback_metrics, "validation"))
         if record is None:
             return
-        if self.config.gate.checkpoint_on_green and record.get("status") == "GREEN" and record.get("stage") == "clean":
+        if self.config.gate.checkpoint_on_green and record.get("status") == Status.GREEN and record.get("stage") == Stage.clean:
             self._save_green(trainer, int(trainer.global_step))
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

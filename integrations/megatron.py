@@ -8,7 +8,7 @@ distribution, the active set and the model's combine weights. ``MegatronMoELayer
 ``SequentialMLP`` or the legacy grouped-GEMM ``GroupedMLP``, optional ``.shared_experts``), handles
 sequence-first hidden states, zero-centred gamma norms, and expert parallelism (the block's
 ``ep_group`` and ``local_expert_indices``: a gate asks the owning rank for fields of experts held
-elsewhere, see ``atlas_tracking.fields``). Megatron-Core is not imported here: layers are matched by
+elsewhere, see ``atlas_tracking.engine.fields``). Megatron-Core is not imported here: layers are matched by
 class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never called.
 """
 

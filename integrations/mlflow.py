@@ -3,7 +3,7 @@ and alerts as tags plus an ``atlas/alerts.jsonl`` artifact (MLflow has no run al
 
 ``MlflowSink`` works with a Lightning ``MLFlowLogger`` (its ``experiment`` is an ``MlflowClient``)
 or an explicit client and run id. Errors (a tracking server that is down) propagate, so that
-:class:`atlas_tracking.sinks.Delivery` keeps the items and replays them when the server is back.
+:class:`atlas_tracking.sinks.delivery.Delivery` keeps the items and replays them when the server is back.
 mlflow is imported lazily. MLflow 3 refuses the plain file store: use ``sqlite:///...`` or a server.
 """
 
@@ -13,6 +13,8 @@ import json
 import re
 import time
 from typing import Any
+
+from atlas_tracking.viz.figures import fig_c2_heatmap, fig_layer_c2, pyplot
 
 _KEY_OK = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
@@ -85,8 +87,6 @@ class MlflowSink:
         self._c2_history.append((step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
         if self.figures and layers:
-            from atlas_tracking.figures import fig_c2_heatmap, fig_layer_c2, pyplot
-
             for fig, name in ((fig_layer_c2(layers, f"C2 per layer, step {step}"), f"c2_by_layer_{step:08d}.png"),
                               (fig_c2_heatmap(self._c2_history, self._layer_names), "c2_heatmap.png")):
                 self.client.log_figure(self.run_id, fig, f"atlas/figures/{name}")

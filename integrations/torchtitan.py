@@ -14,7 +14,7 @@ read only without ``route_norm``. A gate restores the block's ``tokens_per_exper
 accumulates even in eval mode), so it leaves no trace in expert-bias balancing. torchtitan is not imported.
 
 On a CPU, torchtitan 0.2's router counts tokens per expert with ``torch.histc`` on int64 indices, which
-only CUDA implements: ``examples/torchtitan_cpu.py`` holds the named stand-in the example and tests use.
+only CUDA implements: ``atlas_tracking.testing.torchtitan_cpu`` holds the named stand-in the example and tests use.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ record (written first) and tracker delivery.
   read back from the checkpoint training resumes from whether or not
   ``TrainingArguments.restore_callback_states_from_checkpoint`` is set.
 
-Usage (a sketch; ``tests/test_transformers_callback.py`` runs it in full)::
-
+Usage (a sketch; ``tests/integrations/test_transformers_callback.py`` runs it in full)::
     from atlas_tracking.integrations.transformers import AtlasTrainerCallback
 
     trainer = Trainer(model, args=TrainingArguments(..., eval_strategy="steps", eval_steps=200,
@@ -36,14 +35,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking.integrations.mlflow import MlflowSink
+from atlas_tracking.integrations.wandb import WandbSink
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from atlas_tracking.callbacks import LossSource, ValidationGates
-from atlas_tracking.canary import Canary
-from atlas_tracking.config import AtlasConfig
+from atlas_tracking.engine.canary import Canary
 from atlas_tracking.gate import AtlasGate, _is_rank_zero
-from atlas_tracking.sinks import LoggingSink
+from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.sinks.console import LoggingSink
 
 log = logging.getLogger("atlas_tracking")
 
@@ -68,7 +69,6 @@ def tracker_sinks(report_to: list[str] | None) -> list[Any]:
     sinks: list[Any] = []
     if "wandb" in report_to:
         import wandb
-        from atlas_tracking.integrations.wandb import WandbSink
 
         if wandb.run is not None:
             sinks.append(WandbSink(run=wandb.run, step_key=TRAINER_STEP_KEY))
@@ -77,7 +77,6 @@ def tracker_sinks(report_to: list[str] | None) -> list[Any]:
                   "gates are kept in the local record only")
     if "mlflow" in report_to:
         import mlflow
-        from atlas_tracking.integrations.mlflow import MlflowSink
 
         run = mlflow.active_run()
         if run is not None:

@@ -16,7 +16,6 @@ Example (offline: the layout for a 4-layer model):
     True
 
 From the command line (``--print`` shows the layout without contacting W&B)::
-
     atlas-tracking wandb-workspace --entity ENTITY --project PROJECT --record atlas/gates.jsonl
 """
 
@@ -31,7 +30,8 @@ from typing import Any, Literal
 from atlas_tracking.integrations.wandb import STEP_KEY
 
 from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
-from atlas_tracking.record import LAYER_METRICS, METRIC_NAMES
+from atlas_tracking.schema.record import LAYER_METRICS, METRIC_NAMES
+from atlas_tracking.sinks.jsonl import JsonlSink
 
 PanelKind = Literal["line", "media", "bar", "table"]
 
@@ -136,7 +136,6 @@ def record_layout(path: str | Path) -> tuple[int, tuple[str, ...]]:
     """From a local ``gates.jsonl`` record: the routed-layer count of its last gate, and the module groups of
     the parameter drift in the last gate that has one (in :data:`PARAM_GROUPS` order; all of them when no
     gate has parameter drift yet)."""
-    from atlas_tracking.sinks import JsonlSink
 
     records = JsonlSink(path).records()
     if not records:

@@ -1,9 +1,10 @@
 """Model-family adapters: the RoutedLayer protocol and a registry keyed by MoE block class.
 
 ``base`` holds the protocol and the registry; ``families`` the transformers family table (data, read by
-``hf.HFLayer``, with the router semantics of ``routers``); the adapters for other frameworks live in
-``atlas_tracking.integrations`` (DeepSpeed, AutoEP, Megatron-Core, LitGPT, torchtitan). Importing this
-package registers all of them (none imports its framework: blocks are matched by class name).
+``hf.HFLayer``, with the router semantics of ``routers``). Adapters for other frameworks (DeepSpeed, AutoEP,
+Megatron-Core, LitGPT, torchtitan) live in ``atlas_tracking.integrations`` and are plugins: each is named
+under the ``atlas_tracking.families`` entry-point group and imported the first time the registry is read,
+so this package never imports an integration (none imports its framework: blocks are matched by class name).
 """
 
 from atlas_tracking.adapters import families  # noqa: F401  (registers the transformers families)
@@ -15,7 +16,6 @@ from atlas_tracking.adapters.base import (
     register_family,
     registered_families,
 )
-from atlas_tracking.integrations import autoep, deepspeed, litgpt, megatron, torchtitan  # noqa: F401  (their blocks)
 
 __all__ = [
     "NoRoutedLayersError",

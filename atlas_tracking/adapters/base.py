@@ -4,15 +4,20 @@ A family adapter explains one kind of routed MoE block to the engine: where its 
 router and experts are, how to turn the router's output into exact selection scores, the
 full routing distribution, the active set and weights, and how to evaluate any expert
 unweighted. Adding a family is one small entry (``register_family``). This module imports
-no family: the built-in ones (the transformers table in ``adapters/families.py``, and the
-integrations) register themselves when ``atlas_tracking.adapters`` is imported.
+no family: the transformers table (``adapters/families.py``) registers itself when
+``atlas_tracking.adapters`` is imported, and the framework adapters of ``atlas_tracking.integrations``
+are plugins, named under the ``atlas_tracking.families`` entry-point group and imported the first time
+the registry is read (:func:`load_plugins`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any
 
 import torch
@@ -25,7 +30,7 @@ class NoRoutedLayersError(ValueError):
 
 @dataclass
 class Routing:
-    """The router's decision for N tokens, in fp32 (RECEIPTS.md, Notation)."""
+    """The router's decision for N tokens, in fp32 (docs/receipts.md#notation)."""
 
     scores: torch.Tensor
     """``[N, E]`` selection scores that top-k ranks; ``-inf`` marks ineligible experts."""
@@ -162,9 +167,31 @@ Factory = Callable[[str, int, nn.Module, nn.Module], "RoutedLayer | None"]
 """(block name, decoder layer index, block module, parent module) -> RoutedLayer or None (not this family)."""
 
 _REGISTRY: dict[str, tuple[str, Factory]] = {}
-RECIPE = "README.md, 'Your own MoE module'"
+RECIPE = "docs/extending.md#your-own-moe-module"
 """Where the recipe for registering a hand-written MoE lives (named in discovery errors)."""
 _MOE_LOOKING = ("moe", "expert", "router", "sparse", "topk", "gating")
+
+
+PLUGIN_GROUP = "atlas_tracking.families"
+"""Entry-point group of modules that register family adapters when imported (the integrations)."""
+
+
+@functools.lru_cache(maxsize=1)
+def load_plugins() -> tuple[str, ...]:
+    """Import every module named under :data:`PLUGIN_GROUP` once (each registers its blocks); their names.
+
+    A plugin that fails to import is a warning naming it, never an error: the other families stay readable.
+    """
+    names = []
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        try:
+            entry.load()
+        except Exception as exc:  # a broken plugin must not stop the engine from reading the other families
+            warnings.warn(f"atlas: family plugin {entry.name} ({entry.value}) failed to import: "
+                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        names.append(entry.name)
+    return tuple(names)
 
 
 def register_family(block_class_name: str, family: str, factory: Factory) -> None:
@@ -178,6 +205,7 @@ def register_family(block_class_name: str, family: str, factory: Factory) -> Non
 
 def registered_families() -> dict[str, str]:
     """Block class name -> family name, for every registered adapter."""
+    load_plugins()
     return {cls: fam for cls, (fam, _) in _REGISTRY.items()}
 
 
@@ -195,6 +223,7 @@ def _factories(module: nn.Module) -> list[Factory]:
 
 
 def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module, list[Factory]]]:
+    load_plugins()
     modules = dict(model.named_modules())
     for name, module in modules.items():
         factories = _factories(module)
@@ -221,7 +250,7 @@ def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
     """Every routed MoE layer of ``model`` in forward order; a clear error if there is none.
 
     The error lists the MoE-looking modules it saw, so a hand-written MoE can be registered
-    (``atlas_tracking.register_family``; see the recipe in the README).
+    (``atlas_tracking.register_family``; see the recipe in ``docs/extending.md``).
     """
     layers: list[RoutedLayer] = []
     for name, block, parent, factories in _iter_blocks(model):

@@ -124,7 +124,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 LAYERNORM = ("its pre-norm is a mean-centred LayerNorm, so the norm's pre-gain state is not z = x / rms(x) "
-             "(RECEIPTS.md) and neither the anchors nor the tangent fields can be formed from it")
+             "(docs/receipts.md#notation) and neither the anchors nor the tangent fields can be formed from it")
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
     "flex_olmo": (("FlexOlmoSparseMoeBlock",), "post-norm block: the router reads the raw residual stream (its norm "
                   "comes after the block), so there is no gate input g = Gamma z"),

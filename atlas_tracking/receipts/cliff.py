@@ -1,4 +1,4 @@
-"""The terminal cliff of routing self-consistency (seeds/002): the depth profile of ``ov_cf`` and its jump.
+"""The terminal cliff of routing self-consistency (docs/receipts.md#terminal-cliff): the depth profile of ``ov_cf`` and its jump.
 
 Over the routed layers in depth order (ordinal 0 .. L-1, ``ov_cf`` each a pooled per-window ratio):
 
@@ -12,7 +12,7 @@ Over the routed layers in depth order (ordinal 0 .. L-1, ``ov_cf`` each a pooled
   falsifiable claim is that the cliff follows the terminal position), else None.
 
 Each jump carries its window-bootstrap percentile CI: every resample re-pools all layers on the same
-drawn windows, so the CI is that of the difference (RECEIPTS.md, Statistics). With fewer than two routed
+drawn windows, so the CI is that of the difference (docs/receipts.md#statistics). With fewer than two routed
 layers every value is None.
 
 Example:

@@ -1,4 +1,4 @@
-"""Routing self-consistency ``ov_cf`` (seeds/002): does the router keep its choice after its own update?
+"""Routing self-consistency ``ov_cf`` (docs/receipts.md#routing-self-consistency): does the router keep its choice after its own update?
 
 Example:
     >>> import torch

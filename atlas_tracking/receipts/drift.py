@@ -1,4 +1,4 @@
-"""Drift between checkpoints on base-anchored states (RECEIPTS.md, Drift; seeds/000 sec. 5).
+"""Drift between checkpoints on base-anchored states (docs/receipts.md#drift-between-checkpoints).
 
 Per anchor token: coordinate (transport), boundary and transition (routing) and content
 (experts) drift. Identical inputs give exactly 0: every formula is written so that equal

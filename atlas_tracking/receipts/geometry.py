@@ -1,4 +1,4 @@
-"""Angular geometry of RMS-normalised states (RECEIPTS.md, Notation; seeds/000 eq. 1-3, 10).
+"""Angular geometry of RMS-normalised states (docs/receipts.md#notation; the report's eq. 1-3, 10).
 
 Example:
     >>> import torch

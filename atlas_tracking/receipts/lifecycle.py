@@ -1,4 +1,4 @@
-"""Lifecycle margins: handoff and refinement (RECEIPTS.md; seeds/000 eq. 31-32).
+"""Lifecycle margins: handoff and refinement (docs/receipts.md#lifecycle-margins; the report's eq. 31-32).
 
 Exact margins on per-layer receipts. Positive is inside the boundary.
 
@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -63,3 +64,22 @@ def refine_margin(
     worst = max(protected, key=lambda i: terms[i])
     return tau - terms[worst], worst
 
+
+def protected_ordinals(n_layers: int, protected: str | list[int]) -> list[int]:
+    """Routed-layer ordinals to protect: 'mid' = the middle half, 'all', or an explicit list.
+
+    'auto' is chosen from a run's history (:mod:`atlas_tracking.decisions.protection`); without one (a gate
+    measured outside a run) it is 'mid'.
+
+    >>> protected_ordinals(8, "mid"), protected_ordinals(3, "mid"), protected_ordinals(3, [0, 2])
+    ([2, 3, 4, 5], [0, 1], [0, 2])
+    """
+    if protected == "all":
+        return list(range(n_layers))
+    if protected in ("mid", "auto"):
+        start = n_layers // 4
+        return list(range(start, start + max(1, math.ceil(n_layers / 2))))
+    bad = [i for i in protected if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"protected layer ordinals {bad} are outside the {n_layers} routed layers")
+    return sorted(set(protected))

@@ -1,4 +1,4 @@
-"""Occupancy of the atlas: expert loads, dead experts, load CV, router entropy, cells (seeds/000 sec. 4.5).
+"""Occupancy of the atlas: expert loads, dead experts, load CV, router entropy, cells (docs/receipts.md#occupancy).
 
 Device-side functions count; host-side functions (numpy) turn counts into receipts.
 
@@ -29,14 +29,14 @@ def window_loads(active: torch.Tensor, window_of_token: torch.Tensor, n_windows:
 
 
 def smin(values: np.ndarray, beta: float) -> float:
-    """Soft minimum ``-1/beta log sum exp(-beta a_i)`` (seeds/000 eq. 18), computed stably."""
+    """Soft minimum ``-1/beta log sum exp(-beta a_i)`` (the report's eq. 18), computed stably."""
     a = -beta * np.asarray(values, dtype=np.float64)
     m = a.max()
     return float(-(m + math.log(np.exp(a - m).sum())) / beta)
 
 
 def smax(values: np.ndarray, beta: float) -> float:
-    """Soft maximum ``1/beta log sum exp(beta a_i)`` (seeds/000 eq. 19)."""
+    """Soft maximum ``1/beta log sum exp(beta a_i)`` (the report's eq. 19)."""
     return -smin(-np.asarray(values, dtype=np.float64), beta)
 
 

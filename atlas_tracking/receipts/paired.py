@@ -1,4 +1,4 @@
-"""Paired gate-vs-baseline comparisons on the same canary windows (RECEIPTS.md, Statistics).
+"""Paired gate-vs-baseline comparisons on the same canary windows (docs/receipts.md#statistics).
 
 Both gates saw the same windows, so a bootstrap resample draws the same windows for both and
 the CI is that of the paired difference.

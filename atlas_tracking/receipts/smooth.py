@@ -1,10 +1,10 @@
-"""Smooth surrogates of the lifecycle margins (seeds/000 eq. 18-30) and their hard limits.
+"""Smooth surrogates of the lifecycle margins (docs/receipts.md#smooth-margins) and their hard limits.
 
 The theorem-facing margins replace every hard operation by a smooth one: top-k membership by
 ``sigmoid(beta_route (s_e - tau_t))`` with ``tau_t`` midway between the k-th and (k+1)-th
 scores, minima and maxima by log-sum-exp (``smin``/``smax``), and the quantile over the active
 set by smooth order statistics. Proposition 3: away from ties, as every beta grows they
-converge to the exact receipts (RECEIPTS.md, Lifecycle margins); ``tests`` check this
+converge to the exact receipts (docs/receipts.md#lifecycle-margins); ``tests`` check this
 numerically. The pi ratios use the same ``max(pi_ref, 1/T)`` floor as the exact margins.
 
 Example:

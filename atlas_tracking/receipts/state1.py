@@ -1,4 +1,4 @@
-"""State1: set margins, competitors and the per-window boundary set (RECEIPTS.md, State1 and V2).
+"""State1: set margins, competitors and the per-window boundary set (docs/receipts.md#state1-boundary).
 
 Example:
     >>> import torch
@@ -91,7 +91,7 @@ def boundary_count(t_w: int, q: float) -> int:
 
 
 def q_eff(t_w: int, q: float) -> float:
-    """Null rate of the boundary set: ``ceil(q * T_w) / T_w`` (seeds/002), not ``q``.
+    """Null rate of the boundary set: ``ceil(q * T_w) / T_w`` (docs/receipts.md#v2-axes), not ``q``.
 
     >>> q_eff(25, 0.1)
     0.12

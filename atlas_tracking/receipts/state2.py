@@ -1,7 +1,7 @@
 """State2: co-active overlap compatibility, redundancy distance and the one-swap jump.
 
-All functions work per token on tangent-visible fields ``v`` (RECEIPTS.md, State2;
-seeds/000 eq. 14, 20-22).
+All functions work per token on tangent-visible fields ``v`` (docs/receipts.md#state2-co-active-overlap-compatibility;
+the report's eq. 14, 20-22).
 
 Example:
     >>> import torch
@@ -47,7 +47,7 @@ def tangent_gram(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
 def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float) -> torch.Tensor:
     """Adjacency weights ``w(e,e') ∝ rho_e rho_e' exp(-beta_adj |s_e - s_e'|)`` over ordered pairs e != e'.
 
-    Normalised to sum to 1 over the ordered pairs of each token's active set (seeds/000 eq. 21).
+    Normalised to sum to 1 over the ordered pairs of each token's active set (the report's eq. 21).
     """
     k = rho.shape[1]
     w = rho.unsqueeze(2) * rho.unsqueeze(1) * torch.exp(-beta_adj * (s_active.unsqueeze(2) - s_active.unsqueeze(1)).abs())
@@ -84,12 +84,12 @@ def c2_from_gram(
 
 
 def redundancy_distance(va: torch.Tensor, vb: torch.Tensor, eps: float) -> torch.Tensor:
-    """``D(a, b) = ||v_a - v_b|| / (||v_a|| + ||v_b|| + eps)`` in ``[0, 1]`` (seeds/002)."""
+    """``D(a, b) = ||v_a - v_b|| / (||v_a|| + ||v_b|| + eps)`` in ``[0, 1]`` (docs/receipts.md#v2-axes)."""
     return (va - vb).norm(dim=-1) / (va.norm(dim=-1) + vb.norm(dim=-1) + eps)
 
 
 def swap_jump(v_active: torch.Tensor, rho: torch.Tensor, pos_k: torch.Tensor, v_k1: torch.Tensor) -> torch.Tensor:
-    """Scale-free one-swap jump ``||rho_{e_k} (v_{e_k1} - v_{e_k})|| / ||sum_e rho_e v_e||`` (seeds/000 eq. 14).
+    """Scale-free one-swap jump ``||rho_{e_k} (v_{e_k1} - v_{e_k})|| / ||sum_e rho_e v_e||`` (the report's eq. 14).
 
     ``pos_k`` is the position of ``e_k`` inside the active set (``[N]``).
     """

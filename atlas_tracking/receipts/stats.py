@@ -1,4 +1,4 @@
-"""Window bootstrap: pooled ratios, percentile CIs and paired differences (RECEIPTS.md, Statistics).
+"""Window bootstrap: pooled ratios, percentile CIs and paired differences (docs/receipts.md#statistics).
 
 Windows, not tokens, are resampled. Every mean receipt is a ratio of per-window sums to
 per-window counts, so a resample is a weighted re-count of whole windows.

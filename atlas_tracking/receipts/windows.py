@@ -44,7 +44,7 @@ V2_AXES: dict[str, tuple[str, str]] = {
     "v2_c1": ("d_adjacent_boundary", "d_adjacent_interior"),
     "v2_c2": ("d_adjacent_boundary", "d_random_boundary"),
 }
-"""V2 axes as differences of two pooled means (seeds/002): C1 = Delta BI, C2 = Delta Brand."""
+"""V2 axes as differences of two pooled means (docs/receipts.md#v2-axes): C1 = Delta BI, C2 = Delta Brand."""
 
 __all__ = [
     "COUNTERS",
@@ -175,7 +175,7 @@ def _finite(vals: list) -> list[float]:
 
 
 def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str, Any]:
-    """Cross-layer summaries (RECEIPTS.md, Occupancy): means, min entropy, max dead and CV.
+    """Cross-layer summaries (docs/receipts.md#occupancy): means, min entropy, max dead and CV.
 
     ``mean_cv`` and ``max_cv`` are in the paper's unit (load CV x 100).
     """

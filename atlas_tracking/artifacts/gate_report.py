@@ -1,0 +1,198 @@
+"""GateReport: the receipts of one gate, its JSON artifact, and the verifier that recomputes it.
+
+The artifact holds a ``schema_version``, the canary and model fingerprints, a ``layers`` list
+(one entry per routed layer with its receipts under the names docs/receipts.md uses), a
+``summary``, and the per-window arrays from which ``verify`` re-derives every value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.artifacts.derivation import derive, derive_drift
+from atlas_tracking.artifacts.io import check_header, jsonable, write_atomic
+from atlas_tracking.schema.artifacts import (
+    BASE_DAMAGE_KEYS,
+    EXACT_ONLY,
+    RECEIPTS_KIND,
+    RECEIPTS_SCHEMA_VERSION,
+)
+from atlas_tracking.schema.record import DELTA_FIELDS, Margins, fields
+
+
+class ArtifactError(ValueError):
+    """A receipts artifact is unreadable, truncated, or of an unknown schema."""
+
+
+def model_fingerprint(model_class: str, layers: list[dict[str, Any]]) -> str:
+    """sha256 of the model class and each routed layer's (name, family, E, k, d)."""
+    keys = [(lay["name"], lay["family"], lay["num_experts"], lay["top_k"], lay["hidden_size"]) for lay in layers]
+    return hashlib.sha256(json.dumps([model_class, keys]).encode()).hexdigest()
+
+
+@dataclass
+class GateReport:
+    """Receipts of one gate: per-layer values and CIs, a cross-layer summary, and per-window arrays."""
+
+    step: int | None
+    canary: dict[str, Any]
+    model: dict[str, Any]
+    config: dict[str, Any]
+    layers: list[dict[str, Any]]
+    summary: dict[str, Any]
+    per_window: dict[str, Any]
+    drift: dict[str, Any] | None = None
+    anchors: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    """In-memory anchor tensors collected during the gate (not serialised; see ``Baseline.from_report``)."""
+
+    # --- views --------------------------------------------------------------------------------
+    def layer(self, name: str) -> dict[str, Any]:
+        for layer in self.layers:
+            if layer["name"] == name:
+                return layer
+        raise KeyError(f"no routed layer named {name!r} in this report")
+
+    # --- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable(
+            {
+                "schema_version": RECEIPTS_SCHEMA_VERSION,
+                "kind": RECEIPTS_KIND,
+                "step": self.step,
+                "canary": self.canary,
+                "model": self.model,
+                "config": self.config,
+                "summary": self.summary,
+                "layers": self.layers,
+                "drift": self.drift,
+                "per_window": self.per_window,
+            }
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON artifact atomically (a temporary file, then a rename)."""
+        return write_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateReport:
+        check_artifact(data)
+        return cls(
+            step=data.get("step"),
+            canary=data["canary"],
+            model=data["model"],
+            config=data["config"],
+            layers=data["layers"],
+            summary=data["summary"],
+            per_window=data["per_window"],
+            drift=data.get("drift"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> GateReport:
+        return cls.from_dict(read_artifact(path))
+
+
+def read_artifact(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read receipts artifact {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"receipts artifact {path} is not valid JSON (truncated or corrupted?): {exc}") from None
+    check_artifact(data, str(path))
+    return data
+
+
+def check_artifact(data: Any, where: str = "receipts artifact") -> None:
+    check_header(data, RECEIPTS_KIND, RECEIPTS_SCHEMA_VERSION, where, ArtifactError)
+    for key in ("canary", "model", "config", "layers", "summary", "per_window"):
+        if key not in data:
+            raise ArtifactError(f"{where} lacks the {key!r} section (truncated or corrupted?)")
+
+
+# --- derivation shared by measure and verify ------------------------------------------------------
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def verify(data: dict[str, Any]) -> list[str]:
+    """Recompute every derived value, CI, pass/fail and summary from the per-window arrays.
+
+    Returns a list of disagreements (empty when the artifact is self-consistent).
+    """
+    check_artifact(data)
+    meta = [{k: v for k, v in lay.items() if k not in ("receipts", "ci")} for lay in data["layers"]]
+    exact = [{k: lay["receipts"].get(k) for k in EXACT_ONLY if k in lay["receipts"]} for lay in data["layers"]]
+    canary = data["canary"]
+    try:
+        layers, summ = derive(
+            meta, data["per_window"], canary["n_windows"], canary["window"], data["config"]["receipts"], exact
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return [f"per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
+    problems: list[str] = []
+    if data.get("drift") is not None:
+        problems += _verify_drift(data, layers)
+    for stored, fresh in zip(data["layers"], jsonable(layers)):
+        for key, value in fresh["receipts"].items():
+            if not _close(stored["receipts"].get(key), value):
+                problems.append(f"{stored['name']}: {key} is {stored['receipts'].get(key)!r}, recomputed {value!r}")
+        for key, value in fresh["ci"].items():
+            if not _close(stored["ci"].get(key), value):
+                problems.append(f"{stored['name']}: CI of {key} is {stored['ci'].get(key)!r}, recomputed {value!r}")
+    for key, value in summ.items():
+        if not _close(data["summary"].get(key), value):
+            problems.append(f"summary: {key} is {data['summary'].get(key)!r}, recomputed {value!r}")
+    if len(data["layers"]) != len(layers):
+        problems.append(f"{len(data['layers'])} layers stored, {len(layers)} recomputed")
+    return problems
+
+
+def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[str]:
+    stored = data["drift"]
+    canary = data["canary"]
+    try:
+        fresh = derive_drift(
+            layers, data["per_window"], data["per_window"]["baseline"], stored["reference"],
+            stored["handoff_reference"], canary["n_windows"] * canary["window"],
+            data["config"]["receipts"], data["config"]["lifecycle"],
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
+    problems = []
+    for key in (*fields(Margins), "handoff_layer", "refine_layer", *DELTA_FIELDS, *BASE_DAMAGE_KEYS):
+        if key in BASE_DAMAGE_KEYS and key not in stored:
+            continue  # an artifact written before base-domain damage was measured
+        if not _close(stored.get(key), fresh[key]):
+            problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
+    for a, b in zip(stored["layers"], fresh["layers"]):
+        for key, value in b.items():
+            if key == "ci":
+                for ck, cv in value.items():
+                    if not _close(a["ci"].get(ck), cv):
+                        problems.append(f"drift {a['name']}: CI of {ck} is {a['ci'].get(ck)!r}, recomputed {cv!r}")
+            elif not _close(a.get(key), value):
+                problems.append(f"drift {a['name']}: {key} is {a.get(key)!r}, recomputed {value!r}")
+    return problems
+
+
+

@@ -1,0 +1,289 @@
+"""A run directory: the files of one run's record, its identity, baselines, repair and rewind.
+
+Layout of a run directory (``out_dir``; the Lightning callback's default is
+``<default_root_dir>/atlas``)::
+
+    run.json                    the run's identity (run_id); another run never appends here
+    gates.jsonl                 the history (one JSON line per gate, fsynced before any tracker call)
+    gates.abandoned.jsonl       gates of abandoned branches
+    alerts.jsonl                the alerts of the history's gates
+    errors.jsonl                gates that failed (errors.abandoned.jsonl after a rewind)
+    receipts/step_XXXXXXXX.json receipts of the history's gates (each record holds their sha256)
+    receipts/abandoned/         receipts of abandoned gates (and files no record acknowledged)
+    baselines/step_XXXXXXXX.B/  every baseline, in its own folder, never overwritten
+    baseline                    link to the current baseline
+    delivered.jsonl             which gates each tracker run has received (the trackers' catch-up)
+    canaries/F.npz              the canary of fingerprint F (kept by callbacks whose framework re-creates
+                                them from a checkpoint, e.g. the transformers Trainer)
+
+When training resumes from an older checkpoint, the gates written after it by the branch that is left
+behind are moved to ``gates.abandoned.jsonl`` (never deleted) and their receipts files follow; a later
+resume from that branch's own checkpoint moves them back (:meth:`RunDir.rewind`).
+
+Example:
+    >>> import tempfile
+    >>> from atlas_tracking.artifacts.history import append_line, read_history
+    >>> run = RunDir(tempfile.mkdtemp())
+    >>> for step, branch in [(0, "a"), (10, "a"), (20, "a"), (30, "a"), (20, "b"), (30, "b")]:
+    ...     append_line(run.gates, {"step": step, "branch": branch})
+    >>> [(r["step"], r["branch"]) for r in read_history(run.path)]       # a legacy mixed file, resolved
+    [(0, 'a'), (10, 'a'), (20, 'b'), (30, 'b')]
+    >>> moved = run.rewind(10, lineage=[[0, "a"], [10, "a"]], branch="a")
+    >>> [(r["step"], r["branch"]) for r in read_history(run.path)], moved
+    ([(0, 'a'), (10, 'a')], 4)
+    >>> sorted((r["step"], r["branch"]) for r in read_lines(run.abandoned))
+    [(20, 'a'), (20, 'b'), (30, 'a'), (30, 'b')]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.artifacts.history import (
+    HistoryError,
+    cut_torn_tail,
+    identity,
+    monotone,
+    new_id,
+    read_lines,
+    write_lines,
+)
+from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.schema.artifacts import (
+    ABANDONED,
+    ALERTS,
+    DELIVERED,
+    ERRORS,
+    ERRORS_ABANDONED,
+    EVALUATIONS,
+    GATES,
+    RECORD_FILES,
+    RUN_FILE,
+)
+
+log = logging.getLogger("atlas_tracking")
+
+
+class RunDirError(RuntimeError):
+    """The run directory holds another run's record and ``gate.existing_record`` is ``refuse``."""
+
+
+def _receipts_name(step: int) -> str:
+    return f"step_{step:08d}.json"
+
+
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of a file's bytes, or None when it cannot be read (a receipts file a record points to)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+class RunDir:
+    """The files of one run's record (see the module docstring for the layout)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    gates = property(lambda self: self.path / GATES)
+    abandoned = property(lambda self: self.path / ABANDONED)
+    alerts = property(lambda self: self.path / ALERTS)
+    errors = property(lambda self: self.path / ERRORS)
+    delivered = property(lambda self: self.path / DELIVERED)
+    evaluations = property(lambda self: self.path / EVALUATIONS)
+    receipts = property(lambda self: self.path / "receipts")
+    baselines = property(lambda self: self.path / "baselines")
+    current_baseline = property(lambda self: self.path / "baseline")
+
+    def receipts_file(self, step: int) -> Path:
+        return self.receipts / _receipts_name(step)
+
+    def canary_file(self, fingerprint: str) -> Path:
+        return self.path / "canaries" / f"{fingerprint[:16]}.npz"
+
+    # --- identity ------------------------------------------------------------------------------
+    def owner(self) -> tuple[bool, str | None]:
+        """(holds a record, run_id of that record); run_id None for a record written before run ids."""
+        run_file = self.path / RUN_FILE
+        if run_file.is_file():
+            try:
+                return True, json.loads(run_file.read_text()).get("run_id")
+            except (OSError, json.JSONDecodeError):
+                pass
+        for name in (GATES, ABANDONED, ERRORS):
+            try:
+                recs = read_lines(self.path / name) if (self.path / name).is_file() else []
+            except HistoryError:
+                return True, "unreadable"
+            if recs:
+                return True, recs[-1].get("run_id")
+        held = any((self.path / n).exists() for n in ("baseline", "baselines", "receipts"))
+        return held, None
+
+    def describe(self) -> str:
+        try:
+            recs = read_lines(self.gates) if self.gates.is_file() else []
+        except HistoryError as exc:
+            return str(exc)
+        if not recs:
+            return "no gates"
+        return f"{len(recs)} gate(s), steps {recs[0]['step']}..{recs[-1]['step']}"
+
+    def write_identity(self, run_id: str, canary_fingerprint: str) -> None:
+        run_file = self.path / RUN_FILE
+        if run_file.is_file():
+            return
+        write_atomic(run_file, json.dumps({"run_id": run_id, "created": time.time(),
+                                           "canary_fingerprint": canary_fingerprint}))
+
+    # --- baselines ------------------------------------------------------------------------------
+    def baseline_dir(self, step: int, branch: str) -> Path:
+        return self.baselines / f"step_{step:08d}.{branch}"
+
+    def point_baseline(self, target: Path) -> None:
+        """Make ``baseline`` point at ``target`` (a folder under ``baselines/``); nothing is overwritten.
+
+        A ``baseline`` folder from an older layout is moved under ``baselines/`` first.
+        """
+        link = self.current_baseline
+        if link.is_dir() and not link.is_symlink():
+            legacy = self.baselines / f"legacy.{new_id()}"
+            legacy.parent.mkdir(parents=True, exist_ok=True)
+            link.rename(legacy)
+        rel = os.path.relpath(target, self.path)
+        tmp = self.path / f".baseline.{os.getpid()}.tmp"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        try:
+            os.symlink(rel, tmp, target_is_directory=True)
+            os.replace(tmp, link)
+        except OSError:  # a file system without links: the current baseline's path, as text
+            if tmp.is_symlink():
+                tmp.unlink()
+            log.warning("atlas: cannot link %s to %s; the current baseline is %s", link, target, target)
+
+    # --- repair --------------------------------------------------------------------------------
+    def repair(self) -> dict[str, int]:
+        """Undo what a killed writer leaves behind; returns the counts.
+
+        A record file's last line without a newline is cut off (it was never a complete record);
+        temporary files and folders of interrupted atomic writes are removed (never acknowledged).
+        """
+        torn = 0
+        for name in RECORD_FILES:
+            path = self.path / name
+            if not path.is_file():
+                continue
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                cut_torn_tail(fd, path)
+                torn += int(os.fstat(fd).st_size != size)
+            finally:
+                os.close(fd)
+        leftovers = 0
+        for folder in (self.path, self.receipts, self.baselines):
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*"):
+                if tmp.name.endswith(".tmp") or (folder == self.baselines and tmp.is_dir()):
+                    if tmp.is_dir() and not tmp.is_symlink():
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    else:
+                        tmp.unlink(missing_ok=True)
+                    leftovers += 1
+        return {"torn_lines_cut": torn, "temporary_files_removed": leftovers}
+
+    # --- rewind --------------------------------------------------------------------------------
+    def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None) -> int:
+        """Make the history the lineage of a training state restored at ``step``; returns gates moved.
+
+        ``lineage`` lists the (step, branch) keys of the gates the restored state has read, and
+        ``branch`` is the branch that saved it: its gates after the lineage's last step, up to
+        ``step``, belong to the restored timeline too (a checkpoint written before its own gate).
+        With ``lineage`` None (a state saved before branches were kept), the history is cut at
+        ``step``. Every other gate goes to ``gates.abandoned.jsonl``; gates of the lineage found
+        there come back. Each file is replaced atomically, in an order where a crash at any point
+        leaves every gate in at least one file (the next rewind settles it); receipts follow.
+        """
+        live = read_lines(self.gates)
+        parked = read_lines(self.abandoned)
+        every: dict[tuple, dict[str, Any]] = {}
+        for rec in parked + live:
+            every.setdefault(identity(rec), rec)
+        if lineage is None:
+            history, _ = monotone(live)
+            wanted = {identity(r) for r in history if r["step"] <= step}
+        else:
+            wanted = {(int(s), b) for s, b in lineage if int(s) <= step}
+            last = max((s for s, _ in wanted), default=-1)
+            wanted |= {k for k in every if k[1] == branch and last < k[0] <= step}
+        history = sorted((every[k] for k in wanted if k in every), key=lambda r: r["step"])
+        steps = [r["step"] for r in history]
+        if len(set(steps)) != len(steps):
+            raise HistoryError(f"{self.gates}: the restored lineage holds two gates at one step ({steps})")
+        rest = [every[k] for k in every if k not in wanted]
+        live_keys = [identity(r) for r in live]
+        moved = sum(1 for k in live_keys if k not in wanted) + sum(1 for r in history if identity(r) not in live_keys)
+        if moved == 0 and live_keys == [identity(r) for r in history] and len(parked) == len(rest):
+            self._settle_receipts(history, rest)
+        else:
+            write_lines(self.abandoned, [every[k] for k in every])  # 1. a superset: nothing can be lost
+            self._settle_receipts(history, rest)                    # 2. receipts follow their records
+            write_lines(self.gates, history)                        # 3. the history
+            write_lines(self.abandoned, rest)                       # 4. the abandoned branches only
+        self._rewind_errors(step)
+        alerts = [a for r in history for a in r.get("alerts", [])]
+        if read_lines(self.alerts) != alerts:
+            write_lines(self.alerts, alerts)
+        return moved
+
+    def _rewind_errors(self, step: int) -> None:
+        errors = read_lines(self.errors)
+        gone = [e for e in errors if e["step"] > step]
+        if gone:
+            parked = read_lines(self.path / ERRORS_ABANDONED)
+            write_lines(self.path / ERRORS_ABANDONED, parked + gone)
+            write_lines(self.errors, [e for e in errors if e["step"] <= step])
+
+    def _settle_receipts(self, history: list[dict[str, Any]], rest: list[dict[str, Any]]) -> None:
+        """Receipts of the history at ``receipts/step_N.json``; abandoned and unacknowledged ones aside."""
+        if not self.receipts.is_dir():
+            return
+        parked_dir = self.receipts / "abandoned"
+        by_step = {r["step"]: r for r in history}
+        for rec in rest:
+            sha = rec.get("receipts_sha256")
+            src = self.receipts_file(rec["step"])
+            if sha and file_sha256(src) == sha:
+                parked_dir.mkdir(exist_ok=True)
+                os.replace(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json")
+        for path in sorted(self.receipts.glob("step_*.json")):
+            try:
+                step = int(path.stem.split("_", 1)[1])
+            except ValueError:
+                continue
+            rec = by_step.get(step)
+            sha = file_sha256(path)
+            if rec is not None and (rec.get("receipts_sha256") in (None, sha)):
+                continue
+            parked_dir.mkdir(exist_ok=True)
+            os.replace(path, parked_dir / f"step_{step:08d}.unacknowledged.{(sha or 'x')[:12]}.json")
+        for rec in history:
+            src = parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json"
+            dst = self.receipts_file(rec["step"])
+            if src.exists() and not dst.exists() and file_sha256(src) == rec.get("receipts_sha256"):
+                os.replace(src, dst)
+
+    # --- tracker ledger ------------------------------------------------------------------------
+    def delivered_keys(self, sink: str, run: str) -> set[tuple[int, str | None]]:
+        return {(int(d["step"]), d.get("branch")) for d in read_lines(self.delivered)
+                if d.get("sink") == sink and d.get("run") == run}

@@ -1,0 +1,593 @@
+"""Gate reading: lifecycle phases, claim licensing and staged escalation.
+
+docs/policy.md (the report's Tables 4, 6, 10, 11-14). Pure logic on
+gate summaries: no model, no torch. A :class:`GatePolicy` reads each gate in its phase and
+returns a :class:`GateDecision` that states the phase. In ``post_training`` a gate is read
+against the baseline and the previous gate: a status (BASELINE, GREEN, YELLOW, RED), a stage of
+the staged escalation (baseline, clean, revoked, alert, prepare, intervene, recovering), the
+Table 11 interpretation, the Table 4 licensed and unlicensed claims, the Table 14 first
+intervention, and the worst protected layers. In ``pretraining`` the reference rolls forward
+gate to gate, escalation is off, and the stage is ``forming``, ``ready`` (handoff readiness,
+Table 10) or ``collapse`` (occupancy collapse, YELLOW). Its state is a plain dict, so decisions
+survive restarts.
+
+Example (the paper's Distill-640, Table 3):
+    >>> p = GatePolicy()
+    >>> rows = [(0, .083, 42, 3.00, 140, None), (500, -.027, 285, 2.32, 190, 4.73),
+    ...         (1000, -.020, 285, 2.32, 190, 4.53), (1500, -.042, 300, 2.25, 194, 4.48),
+    ...         (2000, -.063, 300, 2.25, 205, 4.48)]
+    >>> [(d.status.value, d.stage.value) for d in (p.read(GateSummary(*r)) for r in rows)]
+    [('BASELINE', 'baseline'), ('YELLOW', 'revoked'), ('YELLOW', 'alert'), ('YELLOW', 'prepare'), ('YELLOW', 'intervene')]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from atlas_tracking.decisions.phases import (
+    PHASES,
+    collapse_reasons,
+    detect_phase,
+    moved,
+    readiness_reasons,
+    v2_c1_failures,
+)
+from atlas_tracking.schema.config import AtlasConfig, PolicyConfig
+from atlas_tracking.schema.record import DELTA_FIELDS, Decision, Phase, Stage, Status
+
+ACTIONS = {
+    Stage.baseline: "Wait for the first post-baseline gate: a baseline is a new reference point, not evidence of preservation.",
+    Stage.clean: "Continue: objective and structural usage are jointly consistent with safe continuation on this horizon.",
+    Stage.revoked: "Revoke any success or preservation claim. Keep the next gate on schedule and stop treating the run as "
+    "healthy by default.",
+    Stage.alert: "Do not clear the run. Require joint recovery of C2 and occupancy rather than a single encouraging rebound.",
+    Stage.prepare: "Prepare intervention: the structural claim worsens again with the same occupancy pathology; passive "
+    "continuation is on thin ice.",
+    Stage.intervene: "Intervene or stop claiming progress: repeated degradation with the same occupancy pathology is no "
+    "longer plausibly noise.",
+    Stage.recovering: "Continue, but require repeated jointly recovering gates before declaring recovery.",
+    Stage.forming: "Keep pretraining with gates on schedule: the atlas is still forming and handoff is not yet licensed.",
+    Stage.ready: "Handoff is licensed on this canary: hand off when the objective is where you want it too (resume with "
+    "policy.phase: post_training; the resume gate becomes the post-training baseline).",
+    Stage.collapse: "Restore balanced routing before spending more compute: routing has collapsed onto a few experts.",
+}
+"""Operator action per stage (docs/policy.md#actions-per-stage)."""
+
+INTERPRETATIONS = {
+    ("ok", "healthy", "improving"): "Objective improvement and structural usage are jointly consistent with safe "
+    "continuation on the current horizon.",
+    ("ok", "degrading", "improving"): "Objective improves, but handoff or preservation claims are unlicensed because "
+    "usage is narrowing. Investigate.",
+    ("worsening", "healthy", "improving"): "Atlas motion is visible without occupancy collapse; the question is which "
+    "layers are moving and whether that motion is acceptable for the current stage.",
+    ("worsening", "degrading", "improving"): "Scalar improvement without geometric recovery. Objective progress is "
+    "licensed; structural health is not. Escalate.",
+    ("worsening", "degrading", "stalling"): "Both the scalar and structural stories are bad. Intervene or reset.",
+}
+"""Table 11 rows keyed by (C2 trend, occupancy, loss)."""
+
+INTERVENTIONS = {
+    "overlap_and_occupancy": "Endpoint/adaptor regularization or router-prior control at matched scalar success. "
+    "Do not keep training passively.",
+    "atlas_drift": "Inspect protected layers first; tighten chart-preserving controls before changing the experts.",
+    "resume": "Do nothing except collect the first valid post-baseline gate.",
+    "boundary": "Check gain drift, thresholding, and boundary-local router behavior before escalating to broad "
+    "intervention.",
+    "repair": "Continue, but require repeated gates before declaring recovery.",
+    "occupancy": "Investigate the narrowing of expert usage (router prior, load balance, data mix) before claiming "
+    "handoff or preservation.",
+    "collapse": "Check the load-balancing loss weight, the router learning rate and its initialisation; an atlas "
+    "cannot form around dead experts.",
+}
+"""Table 14: first intervention to try, by observed pattern."""
+
+
+class PolicyInputError(ValueError):
+    """A gate summary lacks a field or holds a non-numeric value."""
+
+
+@dataclass
+class GateSummary:
+    """What the policy reads from one gate (mean_cv in the paper's unit: load CV x 100)."""
+
+    step: int
+    c2: float
+    dead_experts: float
+    min_entropy: float
+    mean_cv: float
+    loss: float | None = None
+    margin: float | None = None
+    resume: bool = False
+    num_experts: int | None = None
+    c2_protected: float | None = None
+    canary_nll: float | None = None
+    vocab_size: int | None = None
+    handoff_margin: float | None = None
+    phase: str | None = None
+    """The phase a record states (replays honour it at baseline gates when policy.phase is auto)."""
+    c2_delta_ci: tuple[float, float] | None = None
+    dead_experts_delta_ci: tuple[float, float] | None = None
+    min_entropy_delta_ci: tuple[float, float] | None = None
+    mean_cv_delta_ci: tuple[float, float] | None = None
+    layers: list[dict[str, Any]] = field(default_factory=list)
+
+    REQUIRED = ("step", "c2", "dead_experts", "min_entropy", "mean_cv")
+    CI_FIELDS = tuple(key for key in DELTA_FIELDS if key.endswith("_ci"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateSummary:
+        """Validate and build; errors name the missing or non-numeric field."""
+        if not isinstance(data, dict):
+            raise PolicyInputError("a gate must be a JSON object")
+        for key in cls.REQUIRED:
+            if key not in data or data[key] is None:
+                raise PolicyInputError(f"field '{key}' is missing")
+        values: dict[str, Any] = {}
+        for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "loss", "margin", "c2_protected", "canary_nll",
+                    "handoff_margin"):
+            v = data.get(key)
+            if v is None:
+                values[key] = None
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise PolicyInputError(f"field '{key}' must be a finite number, got {v!r}")
+            values[key] = float(v)
+        step = data["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise PolicyInputError(f"field 'step' must be an integer, got {step!r}")
+        resume = data.get("resume", False)
+        if not isinstance(resume, bool):
+            raise PolicyInputError(f"field 'resume' must be true or false, got {resume!r}")
+        cis = {}
+        for key in cls.CI_FIELDS:
+            ci = data.get(key)
+            if ci is None or (isinstance(ci, (list, tuple)) and None in ci):
+                cis[key] = None
+                continue
+            if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci)):
+                raise PolicyInputError(f"field '{key}' must be [low, high], got {ci!r}")
+            cis[key] = (float(ci[0]), float(ci[1]))
+        layers = data.get("layers", [])
+        if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
+            raise PolicyInputError("field 'layers' must be a list of objects")
+        num, vocab, phase = data.get("num_experts"), data.get("vocab_size"), data.get("phase")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
+            raise PolicyInputError(f"field 'vocab_size' must be an integer >= 2, got {vocab!r}")
+        if phase is not None and phase not in PHASES:
+            raise PolicyInputError(f"field 'phase' must be one of {', '.join(PHASES)}, got {phase!r}")
+        return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
+                   vocab_size=vocab, phase=phase, **values, **cis)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in self.CI_FIELDS:
+            d[key] = list(d[key]) if d[key] else None
+        return d
+
+
+@dataclass
+class GateDecision:
+    """The policy's reading of one gate."""
+
+    step: int
+    status: Status
+    stage: Stage
+    c2_trend: str
+    occupancy: str
+    loss_trend: str
+    action: str
+    interpretation: str
+    licensed: list[str]
+    unlicensed: list[str]
+    intervention: str | None
+    worst_layers: list[dict[str, Any]] = field(default_factory=list)
+    stage_before_resume: str | None = None
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    phase: Phase = Phase.post_training
+    phase_source: str = ""
+    phase_before_resume: str | None = None
+    handoff: dict[str, Any] | None = None
+    """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
+    collapse: list[str] = field(default_factory=list)
+    """Pretraining: the routed layers whose occupancy collapsed (empty when none)."""
+
+    def __post_init__(self) -> None:
+        self.status, self.stage, self.phase = Status(self.status), Stage(self.stage), Phase(self.phase)
+
+    def to_dict(self) -> Decision:
+        """The record's decision fields (:class:`~atlas_tracking.schema.record.Decision`), enums as plain strings."""
+        d = asdict(self)
+        d.update(status=self.status.value, stage=self.stage.value, phase=self.phase.value)
+        return d  # type: ignore[return-value]
+
+
+def _trend_vs(now: float, ref: float, tol: float) -> str:
+    if now < ref - tol:
+        return "worsening"
+    if now > ref + tol:
+        return "improving"
+    return "stable"
+
+
+class GatePolicy:
+    """Gates read in their lifecycle phase (first gate, or a resume, is a baseline)."""
+
+    def __init__(self, config: PolicyConfig | AtlasConfig | None = None):
+        if isinstance(config, AtlasConfig):
+            config = config.policy
+        self.cfg = config or PolicyConfig()
+        self.stage: str | None = None
+        self.recover_count = 0
+        self.stable_count = 0
+        self.phase: str | None = None
+        self.phase_source = ""
+        self.baseline: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+
+    # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "recover_count": self.recover_count,
+            "stable_count": self.stable_count,
+            "phase": self.phase,
+            "phase_source": self.phase_source,
+            "baseline": self.baseline,
+            "history": [dict(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage = state.get("stage")
+        self.recover_count = int(state.get("recover_count", 0))
+        self.stable_count = int(state.get("stable_count", 0))
+        self.phase = state.get("phase")
+        self.phase_source = state.get("phase_source", "")
+        self.baseline = state.get("baseline")
+        self.history = [dict(h) for h in state.get("history", [])]
+
+    # --- phase -------------------------------------------------------------------------------
+    def _configured_phase(self) -> str | None:
+        return None if self.cfg.phase == "auto" else self.cfg.phase
+
+    @property
+    def rolls_reference(self) -> bool:
+        """True when the next gate will be read in pretraining, against the gate before it.
+
+        The gate runner then keeps the next gate's anchors and makes it the reference, so that
+        drift and paired CIs are gate-to-gate.
+        """
+        return (self._configured_phase() or self.phase) == Phase.pretraining
+
+    def _phase_for_baseline(self, g: GateSummary) -> tuple[str, str]:
+        if g.phase is not None:
+            return g.phase, "as recorded by the run"
+        configured = self._configured_phase()
+        if configured is not None:
+            return configured, "config: policy.phase"
+        if self.phase is not None:
+            return self.phase, self.phase_source
+        return detect_phase(g.canary_nll, g.vocab_size, self.cfg.fresh_nll_ratio)
+
+    # --- reading -----------------------------------------------------------------------------
+    def _occupancy(self, g: GateSummary, ref: dict[str, Any]) -> str:
+        """Degrading when a proxy moved the bad way beyond tolerance (and, with paired CIs, the CI excludes 0)."""
+        c = self.cfg
+        use = c.use_ci
+        dead = g.dead_experts > ref["dead_experts"] + c.dead_tol and not (
+            use and g.dead_experts_delta_ci is not None and g.dead_experts_delta_ci[0] <= 0)
+        entropy = g.min_entropy < ref["min_entropy"] - c.entropy_tol and not (
+            use and g.min_entropy_delta_ci is not None and g.min_entropy_delta_ci[1] >= 0)
+        cv = g.mean_cv > ref["mean_cv"] + c.cv_tol and not (
+            use and g.mean_cv_delta_ci is not None and g.mean_cv_delta_ci[0] <= 0)
+        return "degrading" if (dead or entropy or cv) else "healthy"
+
+    def _repaired(self, g: GateSummary, prev: dict[str, Any]) -> bool:
+        """Occupancy repair vs the previous gate: every proxy better beyond tolerance (none worse)."""
+        c = self.cfg
+        return (
+            g.dead_experts < prev["dead_experts"] - c.dead_tol
+            and g.min_entropy > prev["min_entropy"] + c.entropy_tol
+            and g.mean_cv < prev["mean_cv"] - c.cv_tol
+        )
+
+    def _c2_trend(self, g: GateSummary, ref: dict[str, Any]) -> str:
+        trend = _trend_vs(g.c2, ref["c2"], self.cfg.c2_tol)
+        if self.cfg.use_ci and g.c2_delta_ci is not None:
+            lo, hi = g.c2_delta_ci
+            if trend == "worsening" and hi >= 0:
+                return "stable"
+            if trend == "improving" and lo <= 0:
+                return "stable"
+        return trend
+
+    def _loss_trend(self, g: GateSummary) -> str:
+        """Improving: below the loss ``loss_window`` gates back (by more than loss_tol) and not above the last one."""
+        if g.loss is None:
+            return "unknown"
+        earlier = [h["loss"] for h in self.history[self._baseline_index():] if h.get("loss") is not None]
+        if not earlier:
+            return "unknown"
+        window = self.cfg.loss_window
+        ref = earlier[-window] if len(earlier) >= window else earlier[0]
+        improving = g.loss < ref - self.cfg.loss_tol and g.loss <= earlier[-1] + self.cfg.loss_tol
+        return "improving" if improving else "stalling"
+
+    def _baseline_index(self) -> int:
+        for i in range(len(self.history) - 1, -1, -1):
+            if self.history[i]["status"] == Status.BASELINE:
+                return i
+        return 0
+
+    def read(self, g: GateSummary) -> GateDecision:
+        """Read one gate and advance the stage.
+
+        A gate is read in the phase its record states (a replayed or caught-up record), else in the
+        configured phase; a change of phase makes the gate a new baseline.
+        """
+        wanted = g.phase or self._configured_phase()
+        if self.baseline is None or g.resume or (wanted is not None and wanted != self.phase):
+            return self._new_baseline(g)
+        if self.phase == Phase.pretraining:
+            return self._read_pretraining(g)
+        ref, prev = self.baseline, self.history[-1]
+        c2_trend = self._c2_trend(g, ref)
+        occupancy = self._occupancy(g, ref)
+        loss_trend = self._loss_trend(g)
+        bad = c2_trend == "worsening" or occupancy == "degrading"
+        if not bad:
+            status = Status.GREEN
+        elif c2_trend == "worsening" and occupancy == "degrading" and loss_trend == "stalling":
+            status = Status.RED
+        else:
+            status = Status.YELLOW
+        rebound = g.c2 > prev["c2"] + self.cfg.c2_tol
+        repaired = self._repaired(g, prev)
+        joint_recovery = status == Status.GREEN or (rebound and repaired)
+        # Table 13: "the same occupancy pathology" is occupancy degrading at this gate and the one before;
+        # C2 worsening with healthy occupancy (Table 11, third row) never escalates on its own.
+        same_pathology = occupancy == "degrading" and prev.get("occupancy", occupancy) == "degrading"
+        stage = self._next_stage(status, joint_recovery, rebound, same_pathology)
+        decision = GateDecision(
+            step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
+            action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend),
+            licensed=_licensed(g, c2_trend, occupancy, loss_trend, stage),
+            unlicensed=_unlicensed(c2_trend, occupancy, stage),
+            intervention=_intervention(c2_trend, occupancy, loss_trend, stage, rebound, repaired, g, prev),
+            worst_layers=_worst_layers(g, ref), phase=Phase.post_training, phase_source=self.phase_source,
+        )
+        self._remember(g, status, stage, occupancy)
+        return decision
+
+    def _next_stage(self, status: Status, joint_recovery: bool, rebound: bool, same_pathology: bool) -> Stage:
+        stage = Stage(self.stage)
+        if stage in (Stage.baseline, Stage.clean):
+            self.recover_count = 0
+            return Stage.clean if status == Status.GREEN else Stage.revoked
+        if joint_recovery:
+            self.recover_count += 1
+            return Stage.clean if self.recover_count >= self.cfg.n_recover else Stage.recovering
+        self.recover_count = 0
+        if stage == Stage.recovering:
+            return Stage.revoked
+        if stage in (Stage.revoked, Stage.alert):
+            if rebound:
+                return Stage.alert
+            return Stage.prepare if same_pathology else stage
+        if stage == Stage.prepare:
+            return Stage.intervene if same_pathology and not rebound else Stage.prepare
+        return Stage.intervene
+
+    def _read_pretraining(self, g: GateSummary) -> GateDecision:
+        """Table 10's first question against the previous gate: is the atlas stable, broad and not fragile?"""
+        c, ref = self.cfg, self.baseline
+        assert ref is not None
+        c2_trend = self._c2_trend(g, ref)
+        occupancy = self._occupancy(g, ref)
+        loss_trend = self._loss_trend(g)
+        moved_now = [name for name, delta, ci, tol in (
+            ("C2", g.c2 - ref["c2"], g.c2_delta_ci, c.c2_tol),
+            ("dead experts", g.dead_experts - ref["dead_experts"], g.dead_experts_delta_ci, c.dead_tol),
+            ("min entropy", g.min_entropy - ref["min_entropy"], g.min_entropy_delta_ci, c.entropy_tol),
+            ("mean CV", g.mean_cv - ref["mean_cv"], g.mean_cv_delta_ci, c.cv_tol),
+        ) if moved(delta, ci, tol, c.use_ci)]
+        self.stable_count = 0 if moved_now else self.stable_count + 1
+        collapse = collapse_reasons(g.layers, c.collapse_dead_fraction, c.collapse_effective_experts)
+        falling = None
+        ref_protected = _protected_c2(ref, g.layers)
+        if g.c2_protected is not None and ref_protected is not None:
+            if g.c2_protected < ref_protected - c.c2_tol:
+                falling = (f"C2 falling on the protected layers: {ref_protected:.4f} -> {g.c2_protected:.4f} "
+                           f"since step {ref['step']}")
+        elif c2_trend == "worsening":
+            falling = f"C2 falling since step {ref['step']} ({g.c2 - ref['c2']:+.4f})"
+        reasons = readiness_reasons(stable_gates=self.stable_count, n_stable=c.n_stable, moved_now=moved_now,
+                                    ref_step=ref["step"], collapse=collapse, c2_falling=falling,
+                                    v2_failing=v2_c1_failures(g.layers))
+        stage = Stage.collapse if collapse else (Stage.forming if reasons else Stage.ready)
+        status = Status.YELLOW if collapse else Status.GREEN
+        handoff = {"ready": not reasons, "stable_gates": self.stable_count, "n_stable": c.n_stable,
+                   "margin": g.handoff_margin, "reference_step": ref["step"], "reasons": reasons}
+        decision = GateDecision(
+            step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
+            action=ACTIONS[stage], interpretation=_pretraining_interpretation(stage, collapse, c.n_stable),
+            licensed=_pretraining_licensed(loss_trend, stage),
+            unlicensed=_pretraining_unlicensed(reasons),
+            intervention=INTERVENTIONS["collapse"] if collapse else None,
+            worst_layers=_worst_layers(g, ref), phase=Phase.pretraining, phase_source=self.phase_source,
+            handoff=handoff, collapse=collapse,
+        )
+        self.baseline = _reference(g)
+        self._remember(g, status, stage, occupancy)
+        return decision
+
+    def _new_baseline(self, g: GateSummary) -> GateDecision:
+        before = self.stage if g.resume else None
+        phase_before = self.phase
+        phase, self.phase_source = self._phase_for_baseline(g)
+        self.phase = _plain(phase)
+        self.baseline = _reference(g)
+        self.recover_count = 0
+        self.stable_count = 0
+        self._remember(g, Status.BASELINE, Stage.baseline, "healthy")
+        licensed = ["This is the state of the atlas at this step (a new reference point)."]
+        if g.resume:
+            licensed.append("Operational recovery: the resumed run is measurable.")
+        handoff = None
+        if self.phase == Phase.pretraining:
+            handoff = {"ready": False, "stable_gates": 0, "n_stable": self.cfg.n_stable, "margin": None,
+                       "reference_step": None, "reasons": ["a new reference: no earlier gate to compare with yet"]}
+        return GateDecision(
+            step=g.step, status=Status.BASELINE, stage=Stage.baseline, c2_trend="stable", occupancy="healthy",
+            loss_trend="unknown", action=ACTIONS[Stage.baseline],
+            interpretation="New baseline: preservation is untested until the next gate." if self.phase == Phase.post_training
+            else "New reference in pretraining: the atlas is forming; the next gate is compared with this one.",
+            licensed=licensed,
+            unlicensed=["Any preservation claim about what happened after this baseline (untested until the next gate)."],
+            intervention=INTERVENTIONS["resume"] if g.resume else None,
+            stage_before_resume=before, phase=self.phase, phase_source=self.phase_source,
+            phase_before_resume=phase_before if phase_before not in (None, self.phase) else None, handoff=handoff,
+        )
+
+    def _remember(self, g: GateSummary, status: Status, stage: Stage, occupancy: str) -> None:
+        self.stage = Stage(stage).value  # the state holds plain strings: it is saved in checkpoints
+        self.history.append({"step": g.step, "status": Status(status).value, "stage": self.stage, "c2": g.c2,
+                             "dead_experts": g.dead_experts, "min_entropy": g.min_entropy, "mean_cv": g.mean_cv,
+                             "loss": g.loss, "occupancy": occupancy, "phase": _plain(self.phase)})
+
+
+def _plain(value: str | None) -> str | None:
+    """An enum member as its plain string (the policy's state is saved in checkpoints and JSON)."""
+    return None if value is None else str(value)
+
+
+def _reference(g: GateSummary) -> dict[str, Any]:
+    """What later gates are read against: the summaries and the per-layer C2 of one gate."""
+    return {"step": g.step, "c2": g.c2, "dead_experts": g.dead_experts, "min_entropy": g.min_entropy,
+            "mean_cv": g.mean_cv, "loss": g.loss, "margin": g.margin, "c2_protected": g.c2_protected,
+            "layers": [{k: lay.get(k) for k in ("name", "ordinal", "c2", "dead_experts", "protected")}
+                       for lay in g.layers]}
+
+
+def _protected_c2(ref: dict[str, Any], layers: list[dict[str, Any]]) -> float | None:
+    """The reference's mean C2 over the layers protected at this gate: its own ``c2_protected`` when both gates
+    protect the same layers; when the set changed between them (``protected_layers: auto``), the mean of its
+    per-layer C2 over this gate's set, so both sides of the comparison hold the same layers.
+
+    >>> ref = {"c2_protected": 0.1, "layers": [{"ordinal": 0, "c2": 0.1, "protected": True},
+    ...                                        {"ordinal": 1, "c2": 0.3, "protected": False}]}
+    >>> _protected_c2(ref, [{"ordinal": 0, "protected": True}, {"ordinal": 1, "protected": False}])
+    0.1
+    >>> _protected_c2(ref, [{"ordinal": 0, "protected": False}, {"ordinal": 1, "protected": True}])
+    0.3
+    """
+    now = {lay.get("ordinal") for lay in layers if lay.get("protected")}
+    before = {lay.get("ordinal") for lay in ref.get("layers") or [] if lay.get("protected")}
+    by_ordinal = {lay.get("ordinal"): lay.get("c2") for lay in ref.get("layers") or []}
+    values = [by_ordinal.get(i) for i in now]
+    if not now or now == before or None in now or any(v is None or not math.isfinite(v) for v in values):
+        return ref.get("c2_protected")
+    return float(sum(values) / len(values))
+
+
+def _pretraining_interpretation(stage: str, collapse: list[str], n_stable: int) -> str:
+    if stage == Stage.collapse:
+        return ("Occupancy collapse during pretraining (" + "; ".join(collapse) + "): routing concentrates on a few "
+                "experts, and an atlas cannot form around dead experts.")
+    if stage == Stage.ready:
+        return (f"Stable baseline for {n_stable} gates, healthy occupancy, and protected-layer overlaps that are not "
+                "fragile: Table 10's handoff criteria hold on this canary.")
+    return ("The atlas is forming: each gate is read against the previous one; preservation verdicts and escalation "
+            "are off in pretraining, and the question is whether handoff is licensed yet.")
+
+
+def _pretraining_licensed(loss: str, stage: str) -> list[str]:
+    out = []
+    if loss == "improving":
+        out.append("The objective improved on the visited region (loss / State3).")
+    if stage != Stage.collapse:
+        out.append("No occupancy collapse: every routed layer stays above the collapse floors (occupancy).")
+    if stage == Stage.ready:
+        out.append("Handoff readiness on this canary (Table 10): stable atlas, healthy occupancy, protected-layer "
+                   "overlaps not fragile.")
+    return out
+
+
+def _pretraining_unlicensed(reasons: list[str]) -> list[str]:
+    out = ["Preservation of the atlas: in pretraining there is nothing to preserve yet (the reference rolls forward).",
+           "Global routed health from State1 margins alone (the margin trap)."]
+    if reasons:
+        out.append("Handoff readiness: " + "; ".join(reasons) + ".")
+    return out
+
+
+def _interpretation(c2_trend: str, occupancy: str, loss: str) -> str:
+    c2_key = "worsening" if c2_trend == "worsening" else "ok"
+    loss_key = "stalling" if loss == "stalling" else "improving"
+    if (c2_key, occupancy, loss_key) in INTERPRETATIONS:
+        return INTERPRETATIONS[(c2_key, occupancy, loss_key)]
+    if loss_key == "stalling":
+        return ("The objective is stalling; structure is not yet failing on both axes. Watch the next gate "
+                "before attributing the stall to the atlas.")
+    return INTERPRETATIONS[(c2_key, occupancy, "improving")]
+
+
+def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: str) -> list[str]:
+    out = []
+    if loss == "improving":
+        out.append("The objective improved on the visited region (loss / State3).")
+    out.append("The run is using a " + ("broad" if occupancy == "healthy" else "narrowing") + " subset of experts (occupancy).")
+    if c2_trend == "worsening":
+        out.append("Adjacent co-active charts are becoming less compatible (State2).")
+    elif c2_trend == "improving":
+        out.append("Adjacent co-active charts are becoming more compatible (State2).")
+    if g.margin is not None:
+        out.append("Top-k competitions are sharper / noisier near the boundary, as State1 shows (decisiveness only).")
+    if c2_trend == "worsening" and occupancy == "degrading" and loss == "improving":
+        out.append("Scalar improvement without geometric recovery (loss + State2 + occupancy read jointly).")
+    if stage == Stage.clean:
+        out.append("Preservation of the atlas since the baseline on this canary (State2 + occupancy jointly healthy).")
+    return out
+
+
+def _unlicensed(c2_trend: str, occupancy: str, stage: str) -> list[str]:
+    out = ["Global routed health from State1 margins alone (the margin trap)."]
+    if stage != Stage.clean:
+        out.append("Atlas preservation or structural health since the baseline.")
+    if occupancy == "degrading":
+        out.append("Handoff readiness: usage is narrowing.")
+    out.append("Whether progress came from a narrowed visited region, from loss alone.")
+    if c2_trend != "worsening" and occupancy == "healthy" and stage != Stage.clean:
+        out.append("Recovery: it needs repeated jointly recovering gates.")
+    return out
+
+
+def _intervention(c2_trend: str, occupancy: str, loss: str, stage: str, rebound: bool, repaired: bool,
+                  g: GateSummary, prev: dict[str, Any]) -> str | None:
+    if c2_trend == "worsening" and occupancy == "degrading":
+        return INTERVENTIONS["overlap_and_occupancy"]
+    if c2_trend == "worsening":
+        return INTERVENTIONS["atlas_drift"]
+    if rebound and repaired:
+        return INTERVENTIONS["repair"]
+    if occupancy == "degrading":
+        return INTERVENTIONS["occupancy"]
+    if g.margin is not None and prev.get("margin") is not None and g.margin < prev["margin"] and c2_trend == "stable":
+        return INTERVENTIONS["boundary"]
+    return None
+
+
+def _worst_layers(g: GateSummary, ref: dict[str, Any]) -> list[dict[str, Any]]:
+    base = {lay.get("name"): lay for lay in ref.get("layers", [])}
+    rows = []
+    for lay in g.layers:
+        if not lay.get("protected", True) or lay.get("c2") is None:
+            continue
+        b = base.get(lay.get("name"))
+        delta = lay.get("c2_delta")
+        if delta is None and b is not None and b.get("c2") is not None:
+            delta = lay["c2"] - b["c2"]
+        if delta is not None:
+            rows.append({"name": lay.get("name"), "c2": lay["c2"], "c2_delta": delta})
+    return sorted(rows, key=lambda r: r["c2_delta"])[:3]

@@ -1,0 +1,601 @@
+"""Capture hooks: receipts computed inside the forward, per routed layer, on the model's device.
+
+For each routed layer three forward hooks cooperate: the pre-norm's (x and g), the router's
+(the model's own routing) and the MoE block's (its output). The block hook computes every
+per-token quantity for the micro-batch, reduces it to per-window sums and counts, and drops
+the per-token tensors before the next layer runs. Nothing is moved to the host until the
+whole canary has been processed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from atlas_tracking.adapters.base import RoutedLayer, Routing
+from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
+from atlas_tracking.engine.selfcheck import SelfCheck
+from atlas_tracking.engine.sharding import gathered
+from atlas_tracking.receipts.consistency import set_overlap
+from atlas_tracking.receipts.drift import (
+    active_set_change,
+    content_drift_per_token,
+    js_divergence,
+    one_minus_cos,
+)
+from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
+from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
+from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
+from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
+from atlas_tracking.receipts.windows import COUNTERS
+from atlas_tracking.schema.artifacts import BASE_TENSORS, DRIFT_RECEIPTS
+from atlas_tracking.schema.config import ReceiptsConfig
+
+_TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
+"""Pooled means over a micro-batch's tokens, reduced together (one masked sum per micro-batch)."""
+_SUM_COUNT = (*_TOKEN_MEANS, "d_random_boundary")
+"""Every pooled mean; ``d_random_boundary`` is taken at the boundary candidates, not every token."""
+_TOKEN_COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
+"""Counters of token masks; the rest of ``COUNTERS`` count boundary candidates and routes."""
+_LAST_COUNTS = ("d_random_boundary.count", "no_random_competitor", "dropped_routes")
+"""The last rows of a layer's counts: candidates with a random competitor, those without one, dropped routes."""
+_DRIFTCOUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
+
+
+FIELD_ROWS_BUDGET = 1 << 22
+"""Elements of one ``[rows, d]`` tensor (16 MiB in fp32) up to which the fields of a micro-batch are
+evaluated in a single call of the experts, however many rows that is."""
+HASH_BITS = 24
+_MISSING = object()
+
+
+def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Deterministic integers uniform in ``[0, 2**24)`` from integer keys, the same on every device
+    and for every sharding of the canary (a 32-bit multiply-xorshift hash in int64, no overflow).
+    """
+    h = (window * 73856093 + position * 19349663 + layer * 83492791 + (seed & 0xFFFF) * 2654435) & 0xFFFFFFFF
+    for mult in (0x7FEB352D, 0x46B5D2A9):
+        h = h ^ (h >> 15)
+        h = (h * mult) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return h >> (32 - HASH_BITS)
+
+
+def random_competitor(
+    scores: torch.Tensor, active: torch.Tensor, e_k1: torch.Tensor, draw: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random-e2 kill-shot: a uniform draw among all eligible experts outside R_t other than e_k1,
+    wherever they are held.
+
+    ``draw`` holds integers uniform in ``[0, 2**HASH_BITS)``. Returns the expert and whether one existed.
+    """
+    cand = torch.isfinite(scores).scatter(1, active, False).scatter(1, e_k1.view(-1, 1), False)
+    n_cand = cand.sum(dim=1)
+    j = (draw * n_cand) >> HASH_BITS
+    pick = (cand.cumsum(dim=1) > j.view(-1, 1)).int().argmax(dim=1)
+    return pick, n_cand > 0
+
+
+@dataclass
+class Selection:
+    """One micro-batch's routing decision with its margins, boundary set and competitors."""
+
+    routing: Routing
+    sm: SetMargin
+    in_b: torch.Tensor
+    """``[N]`` boundary-set membership (``ceil(q T_w)`` smallest margins of each window)."""
+    b_pos: torch.Tensor
+    """Flat positions of a fixed number of boundary candidates per window."""
+    e_rand: torch.Tensor
+    """Random eligible competitor at each candidate (the random-e2 kill-shot)."""
+    rand_ok: torch.Tensor
+    """Candidate is in the boundary set and has a random competitor."""
+    no_rand: torch.Tensor
+    """Candidate is in the boundary set but no eligible expert is left to draw a random competitor from."""
+    nonfinite: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward call of a gate: canary windows ``[start, end)``, then padding up to ``size`` windows.
+
+    Every call of a gate has ``size`` windows on every rank (a short last batch is padded with the
+    canary's first windows, whose tokens are not measured), so layers whose dispatch needs the same
+    shape on every rank run. ``keep=False`` marks a filler call: a rank with fewer micro-batches than
+    another computes everything on windows ``[start, end)`` again, so that every collective (the
+    layer's dispatch, parameter gathers, field exchanges) is matched, and keeps nothing of it.
+    """
+
+    start: int
+    end: int
+    size: int
+    keep: bool = True
+
+
+@dataclass
+class AnchorBatch:
+    """The canary anchors inside one micro-batch, routed through this checkpoint (docs/receipts.md#drift-between-checkpoints).
+
+    For a baseline being collected, ``z`` is the current canonical state and ``experts`` the current
+    active set; for drift, ``z`` is the baseline's ``z0`` and ``experts`` its ``R0``. Their fields
+    are evaluated with the micro-batch's own fields (in its last call of the model's experts).
+    """
+
+    a0: int
+    loc: torch.Tensor
+    """Flat window-major positions of the anchors inside the micro-batch."""
+    z: torch.Tensor
+    g: torch.Tensor
+    """``Gamma_now z`` in the model's dtype: the gate input the router and experts see."""
+    routing: Routing
+    experts: torch.Tensor
+    collect: bool
+    """True: anchors of the baseline being collected; False: the baseline's anchors, for drift."""
+
+
+@dataclass
+class FieldReceipts:
+    """What a gate keeps of one micro-batch's expert fields: per-token reductions, in fp32."""
+
+    c2: torch.Tensor
+    c2_ok: torch.Tensor
+    d_adj: torch.Tensor
+    """``[N]`` redundancy distance of ``e_k`` and its adjacent competitor ``e_k1``."""
+    jump: torch.Tensor
+    d_rand: torch.Tensor
+    """``[M]`` redundancy distance of ``e_k`` and the random competitor, at the boundary candidates."""
+    anchors: list[torch.Tensor]
+    """Tangent fields ``[A, k, d]`` of each anchor batch."""
+    out: torch.Tensor | None
+    """``[N, d]`` the layer's routed output ``sum_e w_e u_e`` when combine weights were given."""
+
+
+@dataclass
+class LayerAccumulator:
+    """Per-window sums and counts of one layer, on the device, for the whole canary."""
+
+    n_windows: int
+    window: int
+    n_experts: int
+    deltas: list[float]
+    device: torch.device
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    cells: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        w, e, d = self.n_windows, self.n_experts, self.device
+        self.sum_names = [name + ".sum" for name in _SUM_COUNT]
+        self.count_names = [
+            *(name + ".count" for name in _TOKEN_MEANS), *(f"bm{i}.sum" for i in range(len(self.deltas))),
+            *_TOKEN_COUNTERS, *_LAST_COUNTS,
+        ]
+        self.sums = torch.zeros(len(self.sum_names), w, dtype=torch.float32, device=d)
+        """``[S, W]`` per-window sums of every pooled mean, in ``sum_names`` order."""
+        self.counts = torch.zeros(len(self.count_names), w, dtype=torch.int64, device=d)
+        """``[C, W]`` per-window counts: the token masks of ``count_names`` first, then the candidate and route counts."""
+        self.arrays["load"] = torch.zeros(w, e, dtype=torch.int64, device=d)
+        self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
+        self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+        self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+        self.drift_sums: torch.Tensor | None = None
+        self.drift_counts: torch.Tensor | None = None
+
+    def enable_drift(self) -> None:
+        w, d = self.n_windows, self.device
+        self.drift_sums = torch.zeros(len(DRIFT_RECEIPTS), w, dtype=torch.float32, device=d)
+        """``[4, W]`` per-window sums of the drift functionals over anchors, in ``DRIFT_RECEIPTS`` order."""
+        self.drift_counts = torch.zeros(len(DRIFT_RECEIPTS) + len(_DRIFTCOUNTERS), w, dtype=torch.int64, device=d)
+        """``[6, W]``: anchors counted per functional, then ``_DRIFTCOUNTERS``."""
+        self.sum_names += [name + ".sum" for name in DRIFT_RECEIPTS]
+        self.count_names += [*(name + ".count" for name in DRIFT_RECEIPTS), *_DRIFTCOUNTERS]
+
+    def add_cells(self, active: torch.Tensor) -> None:
+        """Keep this micro-batch's active-set keys; they are counted once, at the end of the gate."""
+        self.cells.append(cell_keys(active, self.n_experts))
+
+    def to_host(self) -> dict[str, Any]:
+        """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
+        host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
+        stacks = [self.sums, self.counts]
+        if self.drift_sums is not None:
+            stacks = [torch.cat([self.sums, self.drift_sums]), torch.cat([self.counts, self.drift_counts])]
+        for names, stack in zip((self.sum_names, self.count_names), stacks):
+            host.update(zip(names, stack.cpu().numpy()))
+        merged: dict[tuple[int, ...], int] = {}
+        if self.cells:
+            cells, counts = count_cells(torch.cat(self.cells))
+            for key, c in zip(cells.cpu().tolist(), counts.cpu().tolist()):
+                merged[tuple(key) if isinstance(key, list) else (key,)] = int(c)
+        host["cells"] = merged
+        return host
+
+
+class LayerCapture:
+    """The three hooks of one routed layer and the receipts they compute."""
+
+    def __init__(
+        self,
+        layer: RoutedLayer,
+        acc: LayerAccumulator,
+        config: ReceiptsConfig,
+        anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
+        collect: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+    ):
+        self.layer = layer
+        self.acc = acc
+        self.cfg = config
+        self.anchor_slices = anchor_slices
+        self.collect = collect
+        self.base = base
+        self.evaluator: FieldEvaluator = field_evaluator(layer)
+        self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.gamma0: torch.Tensor | None = None
+        """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
+        if base is not None:
+            acc.enable_drift()
+        self.batch = MicroBatch(0, 0, 0)
+        self._x: torch.Tensor | None = None
+        self._g: torch.Tensor | None = None
+        self._router_out: Any = None
+        self._stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None
+        self._own_forward: Any = None
+        self._context: Any = None
+        self.fused = config.fuse_experts and layer.fusable
+        self.check = SelfCheck(layer, acc)
+        self._handles: list[Any] = []
+        self.calls = 0
+
+    # --- hook plumbing -------------------------------------------------------------------------
+    def attach(self) -> None:
+        self._handles = [
+            self.layer.norm.register_forward_hook(self._on_norm),
+            self.layer.router.register_forward_hook(self._on_router),
+            self.layer.block.register_forward_hook(self._on_block),
+        ]
+        self._context = self.layer.gate_context()
+        self._context.__enter__()
+        if self.fused:
+            experts = self.layer.experts
+            self._own_forward = experts.__dict__.get("forward", _MISSING)
+            self.layer.experts_forward = experts.forward
+            experts.forward = self._fused_experts
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        if self.fused and self._own_forward is not None:
+            experts = self.layer.experts
+            if self._own_forward is _MISSING:
+                del experts.forward
+            else:
+                experts.forward = self._own_forward
+            self._own_forward = None
+            self.layer.experts_forward = None
+        self._x = self._g = self._router_out = self._stash = None
+
+    def _parameters(self) -> Any:
+        """The norm's and router's parameters gathered while the hooks read them outside their own forward;
+        at the gate's first call the whole block's, whose experts and shared experts the self-check evaluates
+        there (every rank makes that call, so a ZeRO-3 gather is matched on every rank)."""
+        return gathered([self.layer.norm, self.layer.router] + ([self.layer.block] if self.calls == 0 else []))
+
+    def _on_norm(self, module, inputs, output) -> None:
+        self._x, self._g = inputs[0], output
+
+    def _on_router(self, module, inputs, output) -> None:
+        self._router_out = output
+
+    def _on_block(self, module, inputs, output) -> None:
+        if self._x is None or self._router_out is None:
+            raise RuntimeError(f"{self.layer.name}: the norm or router hook did not fire before the MoE block")
+        try:
+            out = self.layer.block_output(output)
+            with self._parameters():
+                self.compute(self._x, self._g, self._router_out, out, self._stash)
+                if self.batch.keep:
+                    self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
+                                       (self.batch.start, self.batch.end), self.batch.size)
+        finally:
+            self._x = self._g = self._router_out = self._stash = None
+        self.calls += 1
+
+    def _fused_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active
+        set, the adjacent and the random competitors (and the anchors) in as many calls as keep each
+        within the forward's own expert rows; the active fields are reduced to the receipts and
+        combined with the model's weights (in fp32) as the layer output (zero on padding rows)."""
+        self.check.experts_call(hidden_states, top_k_index, top_k_weights)
+        with torch.no_grad(), self._parameters():
+            sel = self.select(self._router_out, hidden_states)
+            x2 = self.window_major(self._x)
+            zh = angular(x2.float())
+            anchors = self.anchor_batches(x2, hidden_states.dtype)
+            fields = self.fields(sel, self.measured(hidden_states), zh, anchors, self.measured(top_k_weights))
+            self._stash = (sel, anchors, fields)
+            out = fields.out.to(hidden_states.dtype)
+            if out.shape[0] == hidden_states.shape[0]:
+                return out
+            full = hidden_states.new_zeros((hidden_states.shape[0], out.shape[-1]))
+            index = self.token_index(out.device)
+            if index is None:
+                full[: out.shape[0]] = out
+                return full
+            return full.index_copy_(0, index, out)
+
+    # --- receipts ---------------------------------------------------------------------------
+    @property
+    def n_windows(self) -> int:
+        """Canary windows this forward call computes (padding excluded)."""
+        return self.batch.end - self.batch.start
+
+    def token_index(self, device: torch.device) -> torch.Tensor | None:
+        """Native flat index of each computed window-major token; None when they are the first rows in order
+        (batch-first layers: padding windows come last)."""
+        if not self.layer.sequence_first:
+            return None
+        seq = self.acc.window
+        return (torch.arange(seq, device=device).view(1, -1) * self.batch.size
+                + torch.arange(self.n_windows, device=device).view(-1, 1)).reshape(-1)
+
+    def measured(self, flat: torch.Tensor) -> torch.Tensor:
+        """The computed tokens of a flat native ``[size * L, ...]`` tensor, window-major."""
+        index = self.token_index(flat.device)
+        return flat[: self.n_windows * self.acc.window] if index is None else flat.index_select(0, index)
+
+    def window_major(self, t: torch.Tensor) -> torch.Tensor:
+        """A ``[B, L, d]`` (or ``[L, B, d]`` for sequence-first layers) tensor as window-major ``[N, d]``."""
+        return self.measured(t.reshape(-1, t.shape[-1]))
+
+    def select(self, router_out: Any, g_native: torch.Tensor) -> Selection:
+        """Routing, set margins, boundary set and competitors of one micro-batch, in window-major order.
+
+        ``g_native`` is the flattened gate input in the order the router saw it.
+        """
+        layer, cfg = self.layer, self.cfg
+        w0, bw, seq = self.batch.start, self.n_windows, self.acc.window
+        routing = layer.routing(router_out, g_native)
+        nonfinite = ~torch.isfinite(layer.router_logits(router_out, routing).float()).all(dim=-1)
+        routing = Routing(**{k: (self.measured(v) if isinstance(v, torch.Tensor) else v)
+                             for k, v in vars(routing).items()})
+        nonfinite = self.measured(nonfinite)
+        sm = set_margin(routing.scores, routing.active)
+        in_b, order = boundary_set_and_order(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
+        # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
+        local_pos = order[:, : max(1, boundary_count(seq, cfg.boundary_q))]
+        b_pos = (local_pos + torch.arange(bw, device=g_native.device).view(-1, 1) * seq).reshape(-1)
+        draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
+        e_rand, has_rand = random_competitor(
+            routing.scores.index_select(0, b_pos), routing.active.index_select(0, b_pos),
+            sm.e_k1.index_select(0, b_pos), draws)
+        cand_in_b = in_b.reshape(-1).index_select(0, b_pos)
+        return Selection(
+            routing=routing, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
+            rand_ok=cand_in_b & has_rand, no_rand=cand_in_b & ~has_rand, nonfinite=nonfinite,
+        )
+
+    def anchor_batches(self, x2: torch.Tensor, dtype: torch.dtype) -> list[AnchorBatch]:
+        """The anchors this micro-batch holds, for the baseline being collected and for drift (in that order)."""
+        if self.anchor_slices is None or not self.batch.keep or not (self.collect or self.base is not None):
+            return []
+        a0, a1, loc = self.anchor_slices[(self.batch.start, self.batch.end)]
+        if a1 <= a0:
+            return []
+        gamma, out = self.layer.gamma(), []
+        if self.collect:
+            z = rms_normalize(x2.index_select(0, loc), self.layer.norm_eps)
+            g = (gamma * z).to(dtype)
+            routing = self.layer.route(g)
+            out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
+        if self.base is not None:
+            z0 = self.base["z0"][a0:a1]
+            g = (gamma * z0).to(dtype)
+            out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), self.base["R0"][a0:a1], collect=False))
+        return out
+
+    def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> list[torch.Tensor]:
+        """One call of the field evaluator for groups of (rows ``[R, d]``, experts ``[R, m]``): each row through
+        each of its experts, written once into one buffer. Returns ``[R, m, d]`` per group. With no groups the
+        call is empty (it keeps an expert-parallel group's exchanges in step); ``like`` gives width and dtype."""
+        if not groups:
+            self.evaluator(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
+            return []
+        sizes = [e.numel() for _, e in groups]
+        first = groups[0][0]
+        rows_all = first.new_empty((sum(sizes), first.shape[-1]))
+        for (rows, experts), part in zip(groups, torch.split(rows_all, sizes)):
+            part.view(*experts.shape, -1).copy_(rows.unsqueeze(1).expand(*experts.shape, rows.shape[-1]))
+        idx_all = torch.cat([e.reshape(-1) for _, e in groups])
+        u = torch.split(self.evaluator(rows_all, idx_all), sizes)
+        return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
+
+    def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
+               weights: torch.Tensor | None = None) -> FieldReceipts:
+        """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
+
+        Per token: the active set and the adjacent competitor; at the boundary candidates, the random
+        competitor; and each anchor batch's experts. A call of the field evaluator holds at most
+        ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
+        since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
+        so narrow models make one call), and only per-token reductions outlive it: State2 comes from
+        the Gram matrix of the tangent fields, the distances and the jump from three ``[N, d]`` fields
+        (tangent projection is linear). The evaluator sets the number of calls (under expert
+        parallelism, the largest any rank of the group needs; the extra calls are empty).
+        """
+        cfg, routing = self.cfg, sel.routing
+        n, k = routing.active.shape
+        d, dev = g2.shape[-1], g2.device
+        chosen = torch.cat([routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
+        s_active = routing.scores.gather(1, routing.active)
+        pos_k = s_active.argmin(dim=1)
+        rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
+        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *((a.g, a.experts) for a in anchors)]
+        per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1))
+        c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
+        c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
+        v_k = torch.empty(n, d, device=dev)
+        out = None if weights is None else torch.empty(n, d, device=dev)
+        wanted = -(-n // per_call)
+        for call in range(self.evaluator.calls(wanted)):
+            if call >= wanted:
+                self._pair_call([], g2)
+                continue
+            t0, t1 = call * per_call, min(n, (call + 1) * per_call)
+            u_groups = self._pair_call([(g2[t0:t1], chosen[t0:t1]), *(extra if t1 == n else [])], g2)
+            u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
+            c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
+                                                   cfg.eps_kappa)
+            u_k = u.gather(1, pos_k[t0:t1].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+            v_k[t0:t1] = tangent_project(u_k, z)
+            v_k1 = tangent_project(u[:, k], z)
+            field = tangent_project(torch.bmm(rho.unsqueeze(1), u[:, :k]).squeeze(1), z)
+            d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
+            jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
+            if out is not None:
+                out[t0:t1] = torch.bmm(weights[t0:t1].float().unsqueeze(1), u[:, :k]).squeeze(1)
+            if t1 == n:
+                u_rand, *u_anchors = u_groups[1:]
+        v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
+        return FieldReceipts(
+            c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
+            d_rand=redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d),
+            anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
+            out=out,
+        )
+
+    @torch.no_grad()
+    def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
+                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> None:
+        """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
+        layer, acc = self.layer, self.acc
+        w0, w1 = self.batch.start, self.batch.end
+        bw, seq = w1 - w0, acc.window
+        d = x.shape[-1]
+        if self.gamma0 is None:
+            self.gamma0 = layer.gamma().detach().float().cpu()
+        x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
+        if stash is None:
+            sel = self.select(router_out, g.reshape(-1, d))
+            zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
+            anchors = self.anchor_batches(x2, g2.dtype)
+            stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
+        if not self.batch.keep:
+            return
+        sel, anchors, fr = stash
+        routing, sm, in_b = sel.routing, sel.sm, sel.in_b
+        valid = sm.valid
+        win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
+
+        # routing self-consistency: re-route the post-update state through the same norm and router
+        y_post = layer.norm.forward(x2 + out2)
+        ov = set_overlap(routing.active, layer.route(y_post).active)
+
+        # every per-window sum and count of the micro-batch in two masked reductions
+        rows, arr = slice(w0, w1), acc.arrays
+        masks = torch.stack([
+            valid, fr.c2_ok, torch.ones_like(valid), in_b, valid & ~in_b,  # _TOKEN_MEANS
+            *((sm.margin <= delta) & valid for delta in acc.deltas),
+            ~valid, (sm.margin < 0) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
+        ])
+        n_means = len(_TOKEN_MEANS)
+        values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()
+        acc.sums[:n_means, rows] += torch.where(masks[:n_means], values, 0.0).view(n_means, bw, seq).sum(-1)
+        acc.counts[: len(masks), rows] += masks.view(len(masks), bw, seq).sum(-1)
+        rand_ok = sel.rand_ok.view(bw, -1)  # candidates are window-major
+        acc.sums[n_means, rows] += torch.where(rand_ok, fr.d_rand.view(bw, -1), 0.0).sum(1)
+        acc.counts[-3, rows] += rand_ok.sum(1)
+        acc.counts[-2, rows] += sel.no_rand.view(bw, -1).sum(1)
+        if routing.dropped is not None:
+            acc.counts[-1, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
+        arr["jump"][rows] = torch.where(in_b, fr.jump, float("nan")).view(bw, seq)
+        arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
+        arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
+        arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
+        acc.add_cells(routing.active)
+        for a, v_a in zip(anchors, fr.anchors):
+            if a.collect:
+                self._collect(a, v_a, g2, in_b)
+            else:
+                self._drift(a, v_a, g2)
+
+    def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
+        field_dtype = getattr(torch, self.cfg.baseline_fields_dtype)
+        self.collected.append((a.a0, {
+            "z0": a.z, "g0": g2[a.loc].float(), "R0": a.routing.active, "p0": a.routing.probs,
+            "u0": u.to(field_dtype), "b0": in_b[a.loc],
+        }))
+
+    def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor) -> None:
+        base = {key: v[a.a0 : a.a0 + len(a.loc)] for key, v in self.base.items()}
+        u0 = base["u0"]
+        u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
+        changed = active_set_change(base["R0"], a.routing.active)
+        values = torch.stack([
+            one_minus_cos(base["g0"], g2[a.loc]),  # DRIFT_RECEIPTS order
+            changed,
+            js_divergence(base["p0"], a.routing.probs),
+            content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
+        ]).float()
+        win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.batch.start
+        moved = (changed > 0).long()
+        counts = torch.stack([*(torch.ones_like(moved),) * len(DRIFT_RECEIPTS), moved, moved * base["b0"].long()])
+        self.acc.drift_sums.index_add_(1, win, values)
+        self.acc.drift_counts.index_add_(1, win, counts)
+
+
+def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
+    """Merge one layer's host arrays from several processes, each owning disjoint windows."""
+    merged: dict[str, Any] = {}
+    for key in hosts[0]:
+        if key == "cells":
+            cells: dict[tuple[int, ...], int] = {}
+            for h in hosts:
+                for cell, c in h["cells"].items():
+                    cells[cell] = cells.get(cell, 0) + c
+            merged["cells"] = cells
+            continue
+        out = hosts[0][key].copy()
+        for h, own in zip(hosts, owned):
+            out[own] = h[key][own]
+        merged[key] = out
+    return merged
+
+
+def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]:
+    """Shape one layer's merged host arrays as the artifact's per-window dict."""
+    pw: dict[str, Any] = {
+        "load": host["load"],
+        "p_mass_total": host["p_mass"].sum(axis=0),
+        "boundary_mass": {
+            f"{delta:g}": {"sum": host[f"bm{i}.sum"], "count": host["margin_mean.count"]}
+            for i, delta in enumerate(deltas)
+        },
+        "transition_jump": [row[np.isfinite(row)] for row in host["jump"]],
+    }
+    for name in _SUM_COUNT:
+        pw[name] = {"sum": host[name + ".sum"], "count": host[name + ".count"]}
+    for name in COUNTERS:
+        pw[name] = host[name]
+    if DRIFT_RECEIPTS[0] + ".sum" in host:
+        pw["drift"] = {name: {"sum": host[name + ".sum"], "count": host[name + ".count"]} for name in DRIFT_RECEIPTS}
+        pw["drift"].update({name: host[name] for name in _DRIFTCOUNTERS})
+    return pw
+
+
+def collected_anchors(captures: list[LayerCapture]) -> list[list[tuple[int, dict[str, torch.Tensor]]]]:
+    """Each layer's collected anchor slices ``(first anchor index, tensors)``, moved to the CPU."""
+    return [[(a0, {k: v.cpu() for k, v in part.items()}) for a0, part in cap.collected] for cap in captures]
+
+
+def concat_anchors(parts: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Anchor slices (from one or several ranks) concatenated in anchor order."""
+    parts = sorted(parts, key=lambda item: item[0])
+    return {key: torch.cat([p[key] for _, p in parts]) for key in BASE_TENSORS} if parts else {}

@@ -1,0 +1,367 @@
+"""One validated configuration for receipts, lifecycle margins, the gate policy and alerts.
+
+Every key is checked: an unknown key or a value of the wrong type is an error that
+names the key and what is allowed. YAML is read with ``yaml.safe_load`` only.
+
+Example:
+    >>> cfg = AtlasConfig.from_dict({"receipts": {"boundary_q": 0.2}})
+    >>> cfg.receipts.boundary_q
+    0.2
+    >>> AtlasConfig.from_dict({"receipts": {"boundary_qq": 0.2}})
+    Traceback (most recent call last):
+    ...
+    atlas_tracking.schema.config.ConfigError: unknown key 'receipts.boundary_qq'; allowed keys: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, missing or of the wrong type."""
+
+
+@dataclass
+class ReceiptsConfig:
+    """How receipts are measured (docs/receipts.md)."""
+
+    boundary_q: float = 0.1
+    """Fraction of each window's tokens (smallest set margin) that forms the boundary set B_w."""
+    boundary_deltas: list[float] = field(default_factory=lambda: [0.001, 0.01, 0.1])
+    """Margin thresholds delta (selection-score units) for ``boundary_mass@delta``."""
+    beta_adj: float = 1.0
+    """Adjacency inverse temperature in the C2 pair weights exp(-beta_adj |s_e - s_e'|)."""
+    beta_pi: float = 1000.0
+    """Inverse temperature of the soft minimum in ``pi_tail_smooth``."""
+    eps_kappa: float = 1e-8
+    """Stabiliser in kappa's denominator."""
+    eps_d: float = 1e-8
+    """Stabiliser in the redundancy distance D(a, b)."""
+    n_bootstrap: int = 1000
+    """Window-bootstrap resamples."""
+    ci_level: float = 0.95
+    """Two-sided percentile confidence level."""
+    seed: int = 0
+    """Seed for the bootstrap and the random-e2 kill-shot."""
+    batch_windows: int = 8
+    """Canary windows per forward micro-batch (also the sharding unit over ranks)."""
+    token_chunk: int | None = None
+    """Tokens per call of the experts when evaluating fields. None (default): a call holds at most half
+    the forward's own (token, expert) rows of the micro-batch (a call materialises its input and output
+    rows), so a gate's peak memory stays near the forward's; narrow models (rows x d within 16 MiB of
+    fp32) make one call. A larger value makes fewer, bigger calls."""
+    fuse_experts: bool = True
+    """Evaluate the active experts once, inside the model's own forward: during a gate the layer's
+    combine of the model's expert outputs is done by atlas in fp32 (the per-expert arithmetic is the
+    model's). False evaluates them a second time in the hook and leaves the forward untouched."""
+    anchors: int = 1024
+    """Anchor tokens kept in a baseline for drift receipts."""
+    baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Storage dtype of the base expert fields in a baseline artifact."""
+    kl_top_k: int = 32
+    """Base log-probabilities kept per canary predicted token in a baseline (the top-K and the remaining
+    mass) for ``kl_base``, the bounded forward KL(base || now) each gate reports: K x 8 + 4 bytes per token
+    (fp32 log-probabilities, int32 indices, fp32 log of the rest). 0 keeps none (no ``kl_base``)."""
+    content_quantile: float = 0.9
+    """Quantile over the active set in ``content_drift``."""
+    terminal_band: int = 3
+    """Routed layers before the terminal one whose mean ``ov_cf`` the terminal jump is taken against
+    (``ov_cf_terminal_jump``; fewer when the model has fewer)."""
+    progress: bool = True
+    """Print progress for long canaries (to stderr)."""
+
+    def _validate(self, prefix: str) -> None:
+        _check_range(prefix, "boundary_q", self.boundary_q, 0.0, 1.0, lo_open=True)
+        _check_range(prefix, "ci_level", self.ci_level, 0.0, 1.0, lo_open=True)
+        _check_range(prefix, "content_quantile", self.content_quantile, 0.0, 1.0)
+        for name in ("n_bootstrap", "batch_windows", "token_chunk", "anchors", "terminal_band"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
+        if isinstance(self.kl_top_k, bool) or not isinstance(self.kl_top_k, int) or self.kl_top_k < 0:
+            raise ConfigError(f"'{prefix}kl_top_k' must be an integer >= 0 (0: no kl_base), got {self.kl_top_k!r}")
+        if any(d <= 0 for d in self.boundary_deltas):
+            raise ConfigError(f"'{prefix}boundary_deltas' must be positive numbers, got {self.boundary_deltas!r}")
+
+
+@dataclass
+class LifecycleConfig:
+    """Handoff and refinement margins (docs/receipts.md#lifecycle-margins)."""
+
+    protected_layers: Literal["mid", "all", "auto"] | list[int] = "mid"
+    """"mid" (middle half of the routed layers), "all", routed-layer ordinals, or "auto": chosen from the
+    run's recorded gates (docs/policy.md#protected-layers; :mod:`atlas_tracking.decisions.protection`): among the routed layers
+    but the first and last, those whose experts stay alive (``auto_persistence_floor``) with the worst median
+    C2 loss against the baseline, as many as "mid"; "mid" until ``auto_min_gates`` post-baseline gates
+    exist. Each gate record names the set and its source (``protected_layers``, ``protected_source``)."""
+    auto_min_gates: int = 2
+    """protected_layers auto: post-baseline gates needed before the set is chosen from evidence."""
+    auto_margin: float = 0.005
+    """protected_layers auto: a layer replaces a member of the chosen set only when its median C2 loss is
+    larger by more than this (C2 units), so the set does not flicker between gates."""
+    auto_persistence_floor: float = 0.5
+    """protected_layers auto: a layer counts as persistent (kept specialized experts) when the median
+    fraction of its experts receiving canary tokens is at least this; persistent layers rank first."""
+    lam1: float = 1.0
+    lam2: float = 0.1
+    mu1: float = 1.0
+    mu2: float = 1.0
+    mu3: float = 0.1
+    tau: float = 0.25
+
+    def _validate(self, prefix: str) -> None:
+        if self.auto_min_gates < 1:
+            raise ConfigError(f"'{prefix}auto_min_gates' must be >= 1, got {self.auto_min_gates!r}")
+        if self.auto_margin < 0:
+            raise ConfigError(f"'{prefix}auto_margin' must be >= 0, got {self.auto_margin!r}")
+        _check_range(prefix, "auto_persistence_floor", self.auto_persistence_floor, 0.0, 1.0)
+
+
+@dataclass
+class PolicyConfig:
+    """Lifecycle phase and tolerances of the gate reading (docs/policy.md#lifecycle-phases)."""
+
+    phase: Literal["auto", "pretraining", "post_training"] = "auto"
+    """How gates are read. "pretraining": the atlas is forming; the reference rolls forward gate to gate,
+    preservation verdicts and escalation are off, occupancy collapse still alerts, and each gate reports
+    handoff readiness. "post_training": preservation against the baseline with staged escalation. "auto":
+    decided at the run's first gate (pretraining when its canary NLL shows a freshly initialised model, see
+    fresh_nll_ratio) and kept, through resumes, in the checkpointed state. An explicit phase always wins:
+    resuming a pretraining run with "post_training" is the handoff (the resume gate is its baseline)."""
+    fresh_nll_ratio: float = 0.9
+    """phase auto: a first gate whose canary NLL is at least this fraction of ln(vocab_size), the NLL of a
+    uniform guess, is a freshly initialised model (pretraining); a lower NLL is a loaded, trained model."""
+    n_stable: int = 2
+    """Pretraining: consecutive gates whose gate-to-gate C2 and occupancy changes stay inside the
+    tolerances (or whose paired CIs cover 0) before the atlas counts as a stable baseline for handoff."""
+    collapse_dead_fraction: float = 0.75
+    """Occupancy collapse: a routed layer on which more than this fraction of the experts receive no canary
+    token."""
+    collapse_effective_experts: float = 2.0
+    """Occupancy collapse: a routed layer whose effective expert count exp(router_entropy) falls below this
+    many times its top-k (routing concentrated on about as many experts as a token selects)."""
+    c2_tol: float = 0.005
+    """C2 moves smaller than this (absolute) are 'stable' (against the baseline and the previous gate)."""
+    dead_tol: float = 0.0
+    """Dead experts may rise by at most this many (mean over layers) before occupancy 'degrades'."""
+    entropy_tol: float = 0.05
+    """Min router entropy may fall by at most this many nats."""
+    cv_tol: float = 5.0
+    """Mean load CV (x100, as in the paper's tables) may rise by at most this much."""
+    loss_tol: float = 0.0
+    """Loss must fall by more than this to count as 'improving'."""
+    loss_window: int = 2
+    """Loss is 'improving' when below the loss this many gates earlier (or the earliest since the
+    baseline) by more than loss_tol, and not above the previous gate's loss."""
+    n_recover: int = 2
+    """Consecutive jointly recovering gates needed to return to 'clean'."""
+    use_ci: bool = True
+    """When paired CIs are present, C2 'worsens' only if the CI of the change excludes zero."""
+
+    def _validate(self, prefix: str) -> None:
+        _check_range(prefix, "fresh_nll_ratio", self.fresh_nll_ratio, 0.0, 1.0, lo_open=True)
+        _check_range(prefix, "collapse_dead_fraction", self.collapse_dead_fraction, 0.0, 1.0)
+        if self.collapse_effective_experts < 0:
+            raise ConfigError(f"'{prefix}collapse_effective_experts' must be >= 0, got {self.collapse_effective_experts!r}")
+        for name in ("n_recover", "loss_window", "n_stable"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
+        for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"'{prefix}{name}' must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass
+class AlertRule:
+    """A threshold rule on a receipt, e.g. ``dead_experts > 64`` on any protected layer."""
+
+    name: str = ""
+    metric: str = ""
+    op: Literal[">", ">=", "<", "<=", "=="] = ">"
+    value: float = 0.0
+    scope: Literal["summary", "any_layer", "any_protected_layer", "all_layers"] = "summary"
+    level: Literal["INFO", "WARN", "ERROR"] = "WARN"
+    min_interval_steps: int = 0
+    """Minimum number of training steps between two firings of this rule."""
+
+    def _validate(self, prefix: str) -> None:
+        if not self.metric:
+            raise ConfigError(f"'{prefix}metric' is required for an alert rule")
+        if not self.name:
+            self.name = f"{self.metric} {self.op} {self.value:g} ({self.scope})"
+
+
+@dataclass
+class AlertsConfig:
+    """Which events become alerts. Stage alerts are built in; ``rules`` adds thresholds."""
+
+    on_revoked: Literal["INFO", "WARN", "ERROR", "off"] = "WARN"
+    on_intervene: Literal["INFO", "WARN", "ERROR", "off"] = "ERROR"
+    on_resume_baseline: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    on_recovered: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    on_canary_change: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    """A resume with another canary: the re-baseline alert names both fingerprints."""
+    on_collapse: Literal["INFO", "WARN", "ERROR", "off"] = "WARN"
+    """Pretraining: a gate enters stage ``collapse`` (occupancy collapse on a routed layer)."""
+    on_handoff_ready: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
+    """Pretraining: a gate enters stage ``ready`` (handoff readiness holds)."""
+    wait_duration_s: float = 300.0
+    """Minimum seconds between two identical alerts delivered by a tracker."""
+    rules: list[AlertRule] = field(default_factory=list)
+    webhook_url_env: str = "ATLAS_WEBHOOK_URL"
+    """Environment variable holding a webhook URL for alert JSON (never logged)."""
+    webhook_url: str = ""
+    """A webhook URL given directly (never logged); the environment variable wins when set."""
+
+
+@dataclass
+class GateConfig:
+    """When gates run and what they keep."""
+
+    every_n_validations: int = 1
+    baseline_at_start: bool = True
+    """Measure the baseline when training starts (the paper's step-0 baseline), before any update."""
+    checkpoint_on_green: bool = False
+    keep_green_checkpoints: int = 3
+    log_per_layer: bool = True
+    param_drift: bool = True
+    """Parameter drift per module group against the baseline's parameters (a host copy of the parameters
+    each process holds; see :mod:`atlas_tracking.engine.param_reference`). False: no copy, no ``param_drift``."""
+    existing_record: Literal["new_dir", "refuse"] = "new_dir"
+    """A fresh run whose out_dir holds another run's record: write to a new directory beside it
+    (``<out_dir>-2``, ...; a warning names it) or refuse with an error. Never appended to."""
+
+    def _validate(self, prefix: str) -> None:
+        if self.every_n_validations < 1:
+            raise ConfigError(f"'{prefix}every_n_validations' must be >= 1, got {self.every_n_validations!r}")
+        if self.keep_green_checkpoints < 1:
+            raise ConfigError(f"'{prefix}keep_green_checkpoints' must be >= 1, got {self.keep_green_checkpoints!r}")
+
+
+@dataclass
+class AtlasConfig:
+    """Everything atlas_tracking can be told. Build it in code, from a dict, or from YAML."""
+
+    receipts: ReceiptsConfig = field(default_factory=ReceiptsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> AtlasConfig:
+        """Build and validate from a plain mapping (unknown keys and wrong types are errors)."""
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AtlasConfig:
+        """Load from a YAML file with ``yaml.safe_load``."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, config: AtlasConfig | dict | str | Path | None) -> AtlasConfig:
+        """Accept an AtlasConfig, a dict, a YAML path, or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, AtlasConfig):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if isinstance(config, (str, Path)):
+            return cls.from_yaml(config)
+        raise ConfigError(f"config must be an AtlasConfig, a dict or a YAML path, not {type(config).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON- and YAML-safe mapping that ``from_dict`` reads back."""
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"a list of {_type_name(inner)}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {float: "a number", int: "an integer", bool: "true/false", str: "a string", type(None): "null"}.get(
+        tp, str(tp))
+
+
+_SCALAR_CHECKS: dict[type, Any] = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+    elif origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(arg, value, key)
+            except ConfigError:
+                continue
+    elif origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, (list, tuple)):
+            return [_convert(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return _build(tp, value, key + ".")
+    elif tp is type(None) and value is None:
+        return None
+    elif tp in _SCALAR_CHECKS and _SCALAR_CHECKS[tp](value):
+        return float(value) if tp is float else value
+    raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join(names)}")
+    kwargs = {k: _convert(hints[k], v, prefix + k) for k, v in data.items()}
+    obj = cls(**kwargs)
+    validate = getattr(obj, "_validate", None)
+    if validate is not None:
+        validate(prefix)
+    return obj
+
+
+def _check_range(prefix: str, name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise ConfigError(f"'{prefix}{name}' must be in {bracket}{lo}, {hi}], got {value!r}")

@@ -1,0 +1,439 @@
+"""The gate record: one JSON object per gate, the line appended to ``atlas/gates.jsonl``.
+
+Declared once, here: each section of the record is a ``TypedDict`` whose fields carry their type and a
+docstring; a field that trackers receive is marked ``Annotated[..., Metric()]``. Every field list the
+package uses (what a record copies from a receipts artifact, what reaches a tracker, the docs' tables) is
+derived from these declarations. Status, stage and phase are string enums: a record holds their values, so
+``record["status"] == Status.GREEN`` and ``json.dumps`` needs nothing special.
+
+Version 2 records state ``schema_version``; a record without one was written by version 1 (the same
+fields, unversioned) and is read through :func:`upgrade_record`. A record of a newer version than this
+package reads is an error that names both versions.
+
+Units: the summary ``mean_cv`` and ``max_cv`` (and ``mean_cv_delta``) are in the report's unit, the load
+CV x 100 (a percentage; the policy's ``cv_tol`` is in it too), while each layer's ``load_cv`` is the plain
+fraction; trackers carry the unit in the name (``atlas/mean_cv_pct``).
+
+Example:
+    >>> Status.GREEN.code, Stage.intervene.code, Stage.intervene in BAD_STAGES
+    (1, 6, True)
+    >>> SUMMARY_METRICS[:3], METRIC_NAMES["mean_cv"]
+    (('c2', 'c2_min', 'c2_protected'), 'mean_cv_pct')
+    >>> upgrade_record({"step": 0})["schema_version"]
+    2
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, TypedDict, get_type_hints
+
+RECORD_SCHEMA_VERSION = 2
+"""The version of the records this package writes (a record states it as ``schema_version``)."""
+
+
+class RecordVersionError(ValueError):
+    """A record states a ``schema_version`` this package does not read."""
+
+
+class Status(str, Enum):
+    """A gate's status (its tracker code is the position here)."""
+
+    BASELINE = "BASELINE"
+    """A new reference (the first gate, a resume, or every gate in pretraining's rolling reference)."""
+    GREEN = "GREEN"
+    YELLOW = "YELLOW"
+    RED = "RED"
+    """C2 worsening, occupancy degrading and the loss stalling."""
+
+    @property
+    def code(self) -> int:
+        return list(type(self)).index(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Stage(str, Enum):
+    """The staged escalation (post-training) and the pretraining stages (its tracker code is the position)."""
+
+    baseline = "baseline"
+    clean = "clean"
+    recovering = "recovering"
+    revoked = "revoked"
+    alert = "alert"
+    prepare = "prepare"
+    intervene = "intervene"
+    forming = "forming"
+    ready = "ready"
+    collapse = "collapse"
+
+    @property
+    def code(self) -> int:
+        return list(type(self)).index(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(str, Enum):
+    """The lifecycle phase a gate is read in."""
+
+    pretraining = "pretraining"
+    post_training = "post_training"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BAD_STAGES = (Stage.revoked, Stage.alert, Stage.prepare, Stage.intervene)
+"""Post-training stages with a revoked preservation claim."""
+PRETRAINING_STAGES = (Stage.forming, Stage.ready, Stage.collapse)
+STATUS_CODES = {s.value: s.code for s in Status}
+STAGE_CODES = {s.value: s.code for s in Stage}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """Marks a record field that trackers receive as ``atlas/<name>`` (``name``: when it differs from the field)."""
+
+    name: str | None = None
+
+
+# --- the sections of a record ----------------------------------------------------------------------
+
+
+class LayerIdentity(TypedDict):
+    """Which routed layer a per-layer entry is."""
+
+    name: str
+    """Module path of the MoE block (``model.layers.3.mlp``)."""
+    index: int
+    """Decoder-layer index read from the path (-1 when it has none)."""
+    ordinal: int
+    """Position among the routed layers in forward order (``atlas/layer_NN/...``)."""
+    protected: bool
+    """In the protected set of this gate (``lifecycle.protected_layers``)."""
+    num_experts: int | None
+    """Routed experts of the layer (E)."""
+    top_k: int | None
+    """Experts each token selects (k)."""
+
+
+class LayerReceipts(TypedDict, total=False):
+    """Per-layer receipts a record copies from the gate's receipts artifact."""
+
+    c2: Annotated[float | None, Metric()]
+    """Co-active overlap compatibility (State2)."""
+    dead_experts: Annotated[int, Metric()]
+    """Experts that no canary token selected."""
+    experts_active: int
+    """Experts that at least one canary token selected (E minus dead)."""
+    router_entropy: Annotated[float, Metric()]
+    """Entropy of the load shares, nats."""
+    load_cv: Annotated[float, Metric()]
+    """Population CV of the expert loads (a fraction)."""
+    pi_min: float
+    """The smallest expert occupancy."""
+    margin_mean: Annotated[float, Metric()]
+    """Mean set margin (State1, selection-score units)."""
+    ov_cf: Annotated[float, Metric()]
+    """Routing self-consistency."""
+    v2_c1: float | None
+    """V2 C1: boundary minus interior redundancy distance of the swap pair (more negative passes more strongly)."""
+    v2_c2: float | None
+    """V2 C2: boundary swap-pair distance minus a random eligible competitor's (the kill-shot)."""
+    v2_c1_pass: bool | None
+    """The 95% CI upper bound of ``v2_c1`` is below 0."""
+    v2_c2_pass: bool | None
+    """The 95% CI upper bound of ``v2_c2`` is below 0."""
+    transition_incompat: float | None
+    """Median one-swap jump over the boundary set, relative to the routed update."""
+    dropped_routes: int
+    """Routes a capacity limit dropped (DeepSpeed MoE)."""
+    no_random_competitor: int
+    """Boundary tokens with no eligible random competitor (out of V2 C2)."""
+
+
+BOUNDARY_MASS_KEY = "boundary_mass@0.01"
+"""The one ``boundary_mass@delta`` a record copies (its name is not an identifier, so it is listed here)."""
+
+
+class LayerDrift(TypedDict, total=False):
+    """Per-layer drift against the gate's baseline."""
+
+    coord_drift: float
+    """Mean 1 - cos between the gate inputs of the baseline and now at the anchors (transport)."""
+    boundary_drift: Annotated[float, Metric()]
+    """Mean share of the active set that changed at the base-anchored states (routing)."""
+    transition_drift: float
+    """Mean Jensen-Shannon divergence of the routing distributions at the base-anchored states (nats)."""
+    content_drift: float
+    """Mean 0.9-quantile over the base active set of the relative change of the tangent fields (experts)."""
+    c2_delta: Annotated[float | None, Metric()]
+    """C2 now minus C2 at the baseline (paired on the canary windows)."""
+    dead_experts_delta: float
+    """Dead experts now minus at the baseline."""
+
+
+class LayerRecord(LayerIdentity, LayerReceipts, LayerDrift, total=False):
+    """One routed layer of a gate record (``record["layers"][i]``)."""
+
+
+class Summary(TypedDict, total=False):
+    """Cross-layer summaries of a gate (bounded: independent of depth), as the receipts artifact has them."""
+
+    c2: Annotated[float | None, Metric()]
+    """Mean C2 over the routed layers."""
+    c2_min: Annotated[float | None, Metric()]
+    """The smallest per-layer C2."""
+    c2_protected: Annotated[float | None, Metric()]
+    """Mean C2 over the protected layers."""
+    dead_experts: Annotated[float, Metric()]
+    """Mean dead experts per routed layer."""
+    dead_experts_max: Annotated[float, Metric()]
+    """Dead experts of the worst routed layer."""
+    experts_active: Annotated[float, Metric()]
+    """Mean active experts per routed layer."""
+    min_entropy: Annotated[float, Metric()]
+    """The smallest router entropy over the routed layers (nats)."""
+    mean_entropy: Annotated[float, Metric()]
+    """Mean router entropy over the routed layers (nats)."""
+    mean_cv: Annotated[float, Metric("mean_cv_pct")]
+    """Mean load CV x 100."""
+    max_cv: Annotated[float, Metric("max_cv_pct")]
+    """Largest load CV x 100."""
+    margin: Annotated[float | None, Metric()]
+    """Mean State1 margin over the routed layers."""
+    ov_cf: Annotated[float | None, Metric()]
+    """Mean routing self-consistency over the routed layers."""
+    transition_incompat: Annotated[float | None, Metric()]
+    """Mean transition incompatibility over the routed layers."""
+    canary_nll: Annotated[float | None, Metric()]
+    """State3: next-token NLL on the canary."""
+    v2_c1_pass_layers: Annotated[int, Metric()]
+    """Routed layers whose V2 C1 axis passes."""
+    v2_c2_pass_layers: Annotated[int, Metric()]
+    """Routed layers whose V2 C2 axis passes."""
+    loss: Annotated[float | None, Metric()]
+    """The training framework's validation loss at this gate (not a receipt; None when none was logged)."""
+    ov_cf_terminal_jump: Annotated[float | None, Metric()]
+    """The terminal routed layer's ov_cf minus the mean of the band before it."""
+    ov_cf_adjacent_jump: Annotated[float | None, Metric()]
+    """The terminal routed layer's ov_cf minus the layer just before it."""
+
+
+class Cliff(TypedDict, total=False):
+    """The terminal cliff of ``ov_cf`` kept beside its jumps (the depth profile is the layers' ``ov_cf``)."""
+
+    ov_cf_terminal_jump_ci: list[float] | None
+    """Window-bootstrap CI of the terminal jump."""
+    ov_cf_adjacent_jump_ci: list[float] | None
+    """Window-bootstrap CI of the adjacent jump."""
+    ov_cf_terminal_ordinal: int | None
+    """Ordinal of the terminal routed layer."""
+    ov_cf_cliff_ordinal: int | None
+    """Ordinal of the layer with the most negative step in ov_cf (the dominant cliff)."""
+    ov_cf_cliff_note: str | None
+    """Set when the dominant cliff is not at the terminal routed layer."""
+
+
+class Deltas(TypedDict, total=False):
+    """Paired changes of the policy's summaries against the baseline, with their window-bootstrap CIs."""
+
+    c2_delta: float | None
+    """Mean C2 over the routed layers, now minus at the baseline."""
+    c2_delta_ci: list[float] | None
+    dead_experts_delta: float
+    """Mean dead experts per layer, now minus at the baseline."""
+    dead_experts_delta_ci: list[float] | None
+    min_entropy_delta: float
+    """Smallest router entropy, now minus at the baseline."""
+    min_entropy_delta_ci: list[float] | None
+    mean_cv_delta: float
+    """Mean load CV x 100, now minus at the baseline."""
+    mean_cv_delta_ci: list[float] | None
+
+
+class Margins(TypedDict, total=False):
+    """The lifecycle margins (positive is inside the boundary)."""
+
+    handoff_margin: Annotated[float | None, Metric()]
+    """Min over the protected layers of lam1 (c2 - c2_ref) + lam2 (rho - 1)."""
+    refine_margin: Annotated[float | None, Metric()]
+    """tau - max over the protected layers of mu1 boundary + mu2 content + mu3 (1 - rho)."""
+
+
+class BaseDamage(TypedDict, total=False):
+    """Damage to the base domain against the baseline."""
+
+    kl_base: Annotated[float | None, Metric()]
+    """Bounded KL(base || now) per canary predicted token (a lower bound of the full KL)."""
+    kl_base_ci: list[float] | None
+    """Window-bootstrap CI of ``kl_base``."""
+    canary_nll_delta: Annotated[float | None, Metric()]
+    """Canary NLL now minus at the baseline."""
+    canary_nll_delta_ci: list[float] | None
+    """Paired window-bootstrap CI of ``canary_nll_delta``."""
+    kl_base_absent: str
+    """Why ``kl_base`` is absent (a baseline saved without the base log-probabilities)."""
+
+
+class Decision(TypedDict, total=False):
+    """The policy's reading of the gate (:class:`~atlas_tracking.decisions.policy.GateDecision`)."""
+
+    status: Status
+    """BASELINE | GREEN | YELLOW | RED."""
+    stage: Stage
+    """The stage of the staged escalation (or the pretraining stage)."""
+    c2_trend: str
+    """worsening | stable | improving."""
+    occupancy: str
+    """healthy | degrading."""
+    loss_trend: str
+    """improving | stalling | unknown."""
+    action: str
+    """What the operator should do at this stage."""
+    interpretation: str
+    """What the pattern of C2, occupancy and loss means."""
+    licensed: list[str]
+    """Claims this gate licenses."""
+    unlicensed: list[str]
+    """Claims this gate does not license."""
+    intervention: str | None
+    """The first intervention to try, by the observed pattern."""
+    worst_layers: list[dict[str, Any]]
+    """The protected layers with the most negative C2 change (at most three)."""
+    stage_before_resume: str | None
+    """A resume gate: the stage the run was in before."""
+    alerts: list[dict[str, Any]]
+    """The alerts this gate raised (level, title, text)."""
+    phase: Phase
+    """pretraining | post_training."""
+    phase_source: str
+    """Why the gate is read in that phase."""
+    phase_before_resume: str | None
+    """A resume that changed the phase (the handoff): the phase before."""
+    handoff: dict[str, Any] | None
+    """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
+    collapse: list[str]
+    """Pretraining: the routed layers whose occupancy collapsed."""
+
+
+class Gate(TypedDict, total=False):
+    """The gate itself: where it sits in the run's history and what it cost."""
+
+    schema_version: int
+    """The record's schema version (absent in version 1 records)."""
+    step: int
+    """The training step (the record's key with ``branch``)."""
+    log_step: int
+    """The step trackers plot the gate at, when the framework logs at another step."""
+    run_id: str
+    """The run, constant across resumes."""
+    branch: str
+    """The training segment that wrote this gate (a new one at every start or resume)."""
+    resume: bool
+    """The first gate after a restart (a new baseline)."""
+    kind: str
+    """Evaluation gates only (``evaluations.jsonl``): validate | test."""
+    num_experts: int | None
+    """The most routed experts of any layer."""
+    canary_fingerprint: str
+    """sha256 of the canary's token ids and window layout: receipts compare only on the same canary."""
+    canary_changed_from: str
+    """A resume on another canary: the fingerprint it replaced."""
+    vocab_size: int | None
+    """The model's vocabulary (with the canary NLL it tells a freshly initialised model)."""
+    baseline_step: int | None
+    """The step of the baseline the deltas are read against."""
+    baseline_path: str
+    """The baseline directory of this gate's reference."""
+    protected_layers: list[int]
+    """``protected_layers: auto``: the ordinals chosen for this gate."""
+    protected_source: str
+    """``auto``, or why the ``mid`` fallback was used."""
+    protected_evidence_steps: list[int]
+    """The post-baseline gates the choice was made from."""
+    protection: list[dict[str, Any]]
+    """Per layer: C2 loss, persistence, rank, chosen, reason."""
+    protected_change: dict[str, Any]
+    """A member replaced at this gate: from, to and both layers' numbers."""
+    param_drift: dict[str, Any]
+    """Parameter drift per module group against the baseline's parameters."""
+    gate_seconds: Annotated[float, Metric()]
+    """The gate's own wall time: what monitoring costs."""
+    receipts_sha256: str
+    """sha256 of ``receipts/step_N.json`` (rank zero adds it when it writes the receipts)."""
+    layers: list[LayerRecord]
+    """One entry per routed layer, in forward order."""
+
+
+class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, Decision, total=False):
+    """One line of ``gates.jsonl``: every section above, flat where the policy reads it."""
+
+
+# --- derived field lists -----------------------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls, vars(sys.modules[__name__]), include_extras=True)
+
+
+def fields(cls: type) -> tuple[str, ...]:
+    """The keys a section declares, in order.
+
+    >>> fields(Margins)
+    ('handoff_margin', 'refine_margin')
+    """
+    return tuple(_hints(cls))
+
+
+def metric_fields(cls: type) -> dict[str, str]:
+    """Field -> tracker name of every field of ``cls`` marked with :class:`Metric`.
+
+    >>> metric_fields(BaseDamage)
+    {'kl_base': 'kl_base', 'canary_nll_delta': 'canary_nll_delta'}
+    """
+    out = {}
+    for key, hint in _hints(cls).items():
+        marks = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Metric)]
+        if marks:
+            out[key] = marks[0].name or key
+    return out
+
+
+SUMMARY_METRICS = tuple(metric_fields(Summary))
+"""Cross-layer summaries logged at every gate (bounded: independent of depth)."""
+METRIC_NAMES = {k: v for k, v in metric_fields(Summary).items() if k != v}
+"""Tracker names of summaries whose unit is not the per-layer one (CV x 100 against a fraction)."""
+LAYER_METRICS = tuple(metric_fields(LayerRecord))
+"""Per-layer receipts logged at every gate (one key per routed layer each)."""
+DRIFT_METRICS = (*metric_fields(Margins), *metric_fields(BaseDamage))
+LAYER_FIELDS = (*fields(LayerReceipts), BOUNDARY_MASS_KEY)
+"""Per-layer receipts a record copies from the receipts artifact."""
+LAYER_DRIFT_FIELDS = fields(LayerDrift)
+CLIFF_FIELDS = fields(Cliff)
+BASE_DAMAGE_FIELDS = fields(BaseDamage)
+DELTA_FIELDS = fields(Deltas)
+DECISION_FIELDS = fields(Decision)
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as this version reads it: version 1 (unversioned) records gain ``schema_version``; a newer
+    version than :data:`RECORD_SCHEMA_VERSION` is a :class:`RecordVersionError` naming both.
+
+    >>> upgrade_record({"step": 3, "schema_version": 9})
+    Traceback (most recent call last):
+    ...
+    atlas_tracking.schema.record.RecordVersionError: the record at step 3 has schema_version 9; this atlas_tracking reads versions <= 2
+    """
+    version = record.get("schema_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version > RECORD_SCHEMA_VERSION:
+        raise RecordVersionError(f"the record at step {record.get('step')} has schema_version {version!r}; this "
+                                 f"atlas_tracking reads versions <= {RECORD_SCHEMA_VERSION}")
+    if version == RECORD_SCHEMA_VERSION:
+        return record
+    return {"schema_version": RECORD_SCHEMA_VERSION, **record}

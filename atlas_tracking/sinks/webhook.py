@@ -1,0 +1,45 @@
+"""Alerts POSTed as JSON to a webhook whose URL is never logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from typing import Any
+
+
+class WebhookSink:
+    """POSTs alert events as JSON to a webhook URL. The URL is a secret: it is never logged or shown."""
+
+    name = "webhook"
+
+    def __init__(self, url: str, timeout_s: float = 5.0):
+        if not url.startswith(("https://", "http://")):
+            raise ValueError("webhook URL must start with http:// or https:// (the URL itself is not shown)")
+        self._url = url
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return "WebhookSink(url=<hidden>)"
+
+    @classmethod
+    def from_config(cls, url: str, env_var: str) -> WebhookSink | None:
+        """The URL from ``env_var`` when set, else ``url``; None when neither is given."""
+        chosen = os.environ.get(env_var) or url
+        return cls(chosen) if chosen else None
+
+    def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        return None
+
+    def alert(self, event: dict[str, Any]) -> None:
+        body = json.dumps(event, allow_nan=False).encode()
+        req = urllib.request.Request(self._url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                resp.read()
+        except OSError as exc:
+            # the message of a URL error can carry the URL; report the failure without it
+            raise ConnectionError(f"webhook delivery failed ({type(exc).__name__})") from None
+
+    def finish(self) -> None:
+        return None

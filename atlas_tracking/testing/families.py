@@ -1,0 +1,244 @@
+"""Tiny random models of every supported transformers MoE family (the architecture code is transformers' own).
+
+``CONFIGS`` holds, per family (transformers model type), what its tiny config needs beyond ``COMMON``
+(2 layers, hidden 32, 8 experts, top-2: the keys a config does not have are left out).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import torch
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.artifacts.gate_report import verify
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+              num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+              shared_expert_intermediate_size=40, n_group=4, topk_group=2, first_k_dense_replace=1,
+              n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+              v_head_dim=8, pad_token_id=0)
+MLA = dict(num_key_value_heads=4)
+"""Multi-head latent attention wants as many key-value heads as heads."""
+SPARSE2 = dict(mlp_layer_types=["sparse", "sparse"])
+
+CONFIGS: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=6),
+    "qwen2_moe": dict(num_experts=6),
+    "qwen3_moe": dict(num_experts=6),
+    "olmoe": dict(num_experts=6, intermediate_size=24),
+    "minimax": {},
+    "mellum": {},
+    "hunyuan_v1_moe": dict(moe_topk=2),
+    "jamba": dict(expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_expand=1, mamba_dt_rank=4),
+    "gpt_oss": dict(num_local_experts=6, intermediate_size=24),
+    "aria_text": dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1),
+    "granitemoe": {},
+    "granitemoe_swa": {},
+    "granitemoeshared": dict(shared_intermediate_size=40),
+    "granitemoehybrid": dict(shared_intermediate_size=40, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                             mamba_expand=2, mamba_chunk_size=8, layer_types=["mamba", "attention"]),
+    "flint": dict(mlp_only_layers=[]),
+    "qwen3_next": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4),
+    "qwen3_5_moe_text": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                             linear_num_value_heads=4),
+    "deepseek_v3": dict(MLA, n_routed_experts=8, num_hidden_layers=3, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "glm4_moe": dict(routed_scaling_factor=2.5),
+    "glm4_moe_lite": dict(MLA),
+    "glm_moe_dsa": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "deepseek_v32": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "dots1": {},
+    "dots3_note_text": dict(MLA, index_n_heads=2, index_head_dim=8, index_topk=4, shared_experts_intermediate_size=24),
+    "kimi_linear": dict(num_experts_per_token=2, num_expert_group=4, topk_group=2, linear_head_dim=8, linear_num_heads=4),
+    "bailing_hybrid": {},
+    "solar_open": {},
+    "exaone_moe": {},
+    "hy_v4": dict(MLA),
+    "mimo_v2_flash": {},
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, moe_shared_expert_intermediate_size=40, n_groups=1,
+                       ssm_state_size=8, chunk_size=8),
+    "beam": dict(SPARSE2),
+    "deepseek_v2": dict(MLA, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1),
+    "longcat_flash": dict(MLA, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=24, ffn_hidden_size=48),
+    "minimax_m2": {},
+    "hy_v3": {},
+    "afmoe": {},
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention", "conv"]),
+    "laguna": dict(moe_routed_scaling_factor=2.0),
+    "minimax_m3_vl_text": dict(routed_scaling_factor=2.0, shared_intermediate_size=40, dense_intermediate_size=48),
+    "kolibri1": {},
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"], hc_mult=2),
+    "inkling_text": dict(n_shared_experts=1, mlp_layer_types=["sparse", "sparse"]),
+    "inkling2_text": {},
+    "llama4_text": dict(intermediate_size_mlp=48, interleave_moe_layer_step=1),
+    "jetmoe": dict(kv_channels=8, num_key_value_heads=4),
+    # composite (vision-language) models: their text model's config, and a one-block vision tower
+    "qwen3_vl_moe": dict(text_config=dict(num_experts=8, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]}),
+                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4,
+                                            out_hidden_size=32, num_position_embeddings=64)),
+    "glm4v_moe": dict(text_config=dict(rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                        "partial_rotary_factor": 1.0}),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32)),
+    "mistral4": dict(MLA, routed_scaling_factor=1.5),
+}
+FAMILIES = tuple(CONFIGS)
+ORIGINAL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def family_config(name: str):
+    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has) and ``CONFIGS[name]``; a
+    composite config gets them in its ``text_config``."""
+    from transformers import AutoConfig
+
+    extra = dict(CONFIGS[name])
+    default = AutoConfig.for_model(name)
+    if "text_config" in extra:
+        text = type(default.text_config)
+        extra["text_config"] = {**_common(text), **extra["text_config"]}
+        return AutoConfig.for_model(name, **extra)
+    return AutoConfig.for_model(name, **{**_common(type(default)), **extra})
+
+
+def _common(cls) -> dict:
+    fields = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
+    return {k: v for k, v in COMMON.items() if k in fields}
+
+
+def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny random model of family ``name``, in eval mode, with routers and norm gains given spread (a fresh
+    model's zero routers and unit gains would make routing and the gain convention degenerate)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from atlas_tracking.adapters import find_routed_layers
+
+    torch.manual_seed(seed)
+    config = family_config(name)
+    try:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    except ValueError:  # a composite model: measured through its text model
+        model = AutoModelForImageTextToText.from_config(config).eval()
+    spread(find_routed_layers(model))
+    return to_dtype(model, dtype)
+
+
+def spread(layers) -> None:
+    """Give routers, their biases and the norm gains spread (fresh ones are zero, ones or tiny)."""
+    with torch.no_grad():
+        for lay in layers:
+            tensors = [*lay.router.named_parameters(), *lay.router.named_buffers(),
+                       *((n, t) for n, t in lay.block.named_parameters(recurse=False) if "bias" in n),
+                       *((n, t) for n, t in lay.block.named_buffers(recurse=False) if "bias" in n)]
+            for tname, t in tensors:
+                if t.is_floating_point():
+                    t.normal_(0, 0.1 if "bias" in tname else 0.5)
+            lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
+
+
+def to_dtype(model, dtype: torch.dtype):
+    """``model`` in ``dtype`` as transformers loads it: the modules it keeps in fp32 stay in fp32 (the strict
+    list always, the other one in fp16 only)."""
+    keep = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+            *((getattr(model, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
+    patterns = [re.compile(rf"(^|\.){re.escape(k)}(\.|$)") for k in keep]
+    model.to(dtype)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and any(p.search(name) for p in patterns):
+            t.data = t.data.float()
+    return model
+
+
+def capture_layers(model, ids, forward=None):
+    """One forward with hooks of our own on every routed layer's norm, router, experts and block: the layers and,
+    per layer name, what each hook saw (``x``, ``g``, ``router``, ``out``, and ``index``: the active sets the
+    model handed its experts, when they are called as ``experts(x, top_k_index, top_k_weights)``). ``forward``:
+    ``(model, ids)`` for models that are not transformers causal LMs."""
+    from atlas_tracking.adapters import find_routed_layers
+
+    layers = find_routed_layers(model)
+    seen = {lay.name: {} for lay in layers}
+    handles = []
+    for lay in layers:
+        d = seen[lay.name]
+        handles.append(lay.norm.register_forward_hook(lambda m, i, o, d=d: d.update(x=i[0], g=o)))
+        handles.append(lay.router.register_forward_hook(lambda m, i, o, d=d: d.update(router=o)))
+        handles.append(lay.block.register_forward_hook(lambda m, i, o, d=d: d.update(out=o[0] if isinstance(o, tuple) else o)))
+        if lay.fusable:
+            handles.append(lay.experts.register_forward_hook(lambda m, i, o, d=d: d.update(index=i[1])))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False) if forward is None else forward(model, ids)
+    for h in handles:
+        h.remove()
+    return layers, seen
+
+
+# --- the exactness checks every supported family passes (transformers, LitGPT, torchtitan) ---------------------
+
+CFG = AtlasConfig.from_dict({"receipts": {"progress": False, "batch_windows": 4, "anchors": 24, "n_bootstrap": 20}})
+DRIFT = ("coord_drift", "boundary_drift", "transition_drift", "content_drift")
+
+
+def recombined(lay, g, routing):
+    """``sum_e w_e u_e(g) + shared(g)`` in fp32, with the model's own experts."""
+    with torch.no_grad():
+        u = lay.expert_outputs(g, routing.active)
+        combined = (routing.weights.unsqueeze(-1) * u.float()).sum(1)
+        shared = lay.shared_output(g)
+    return combined if shared is None else combined + shared.float().reshape(combined.shape)
+
+
+def check_exact(family, model, forward=None):
+    """Active sets are the model's (as handed to its experts, and a top-k of the adapter's scores), and
+    ``sum w u + shared`` is the block's output within 1e-5 relative."""
+    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
+    layers, seen = capture_layers(model, ids, forward)
+    assert layers, family
+    for lay in layers:
+        d = seen[lay.name]
+        g = d["g"].reshape(-1, d["g"].shape[-1])
+        routing = lay.routing(d["router"], g)
+        if "index" in d:  # the sets the model handed its experts in this forward
+            theirs = d["index"].reshape(len(g), -1)
+            assert [set(r) for r in routing.active.tolist()] == [set(r) for r in theirs.tolist()], lay.name
+        kth = routing.scores.gather(1, routing.active).min(1).values
+        outside = routing.scores.scatter(1, routing.active, float("-inf")).max(1).values
+        assert bool((kth >= outside).all()), lay.name  # the model's choice is a top-k of the adapter's scores
+        out = d["out"].reshape(len(g), -1).float()
+        rel = (recombined(lay, g, routing) - out).norm() / out.norm()
+        assert rel < 1e-5, (family, lay.name, float(rel))
+        assert torch.allclose(routing.rho.sum(1), torch.ones(len(g)), atol=1e-5)
+        assert torch.allclose(routing.probs.sum(1), torch.ones(len(g)), atol=1e-5)
+        assert routing.scores.shape[1] == lay.num_experts and routing.active.shape[1] == lay.top_k
+
+
+def check_bf16(family, model, forward=None):
+    """In bf16 (as transformers loads it) the adapter's fp32 scores reproduce the model's choice (ties aside)."""
+    ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(2))
+    layers, seen = capture_layers(to_dtype(model, torch.bfloat16), ids, forward)
+    for lay in layers:
+        d = seen[lay.name]
+        routing = lay.routing(d["router"], d["g"].reshape(-1, d["g"].shape[-1]))
+        ours = routing.scores.topk(lay.top_k, dim=1).indices
+        theirs = d["index"].reshape(len(ours), -1).long() if "index" in d else routing.active
+        kth = routing.scores.gather(1, theirs).min(1).values
+        outside = routing.scores.scatter(1, theirs, float("-inf")).max(1).values
+        ties = kth == outside  # exact ties in the model's own scores: either choice is the model's
+        same = torch.tensor([set(a) == set(b) for a, b in zip(ours.tolist(), theirs.tolist())])
+        assert bool((same | ties).all()), (family, lay.name)
+        assert bool((kth >= outside).all()), (family, lay.name)
+
+
+def check_measure(model, forward=None):
+    """``measure`` + ``verify`` pass (the self-check included) and the model compared with itself drifts by 0."""
+    canary = Canary.from_token_ids(np.arange(400) * 7 % 64, window=16, n_windows=4, seed=0)
+    kw = {} if forward is None else {"forward": forward}
+    report = measure(model, canary, config=CFG, **kw)
+    assert verify(report.to_dict()) == []
+    assert all(lay["selfcheck"]["recombination"] is not None for lay in report.layers)
+    again = measure(model, canary, baseline=Baseline.from_report(report), config=CFG, **kw)
+    assert verify(again.to_dict()) == []
+    for lay in again.drift["layers"]:
+        assert [lay[k] for k in DRIFT] == [0.0] * 4, lay["name"]

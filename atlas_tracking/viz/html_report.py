@@ -1,0 +1,145 @@
+"""``atlas-tracking report``: a self-contained HTML page (and PNGs) for a run or one receipts file.
+
+For a run directory (``<run>/atlas/gates.jsonl``, read as one history with
+:func:`atlas_tracking.artifacts.history.read_history`): loss and C2 against step (the report's figure 4),
+dead experts per gate, per-layer C2 of the last gate grouped early / protected / late (figure 5; the
+groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``), the
+stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
+gate. For a receipts JSON: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
+the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.artifacts.gate_report import read_artifact
+from atlas_tracking.artifacts.history import read_history
+from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.receipts.param_drift import drift_line
+from atlas_tracking.viz.figures import (
+    STATUS_COLORS,
+    fig_dead,
+    fig_layer_c2,
+    fig_loss_c2,
+    fig_timeline,
+    png_bytes,
+)
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return html.escape("-" if v is None else str(v))
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
+th{background:#f4f4f4}img{max-width:100%;display:block;margin:1em 0}.claims li{margin:.2em 0}
+.status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"""
+
+
+def cliff_text(d: dict[str, Any], profile: list[Any]) -> str:
+    """One sentence on the terminal cliff of ``ov_cf`` (:mod:`atlas_tracking.receipts.cliff`) from a record or a
+    receipts summary, and the note when the dominant cliff is not at the terminal routed layer.
+
+    >>> cliff_text({"ov_cf_terminal_jump": -0.39, "ov_cf_terminal_jump_ci": [-0.41, -0.37], "ov_cf_terminal_ordinal": 2,
+    ...             "ov_cf_adjacent_jump": -0.4, "ov_cf_adjacent_jump_ci": [-0.42, -0.38]}, [0.8, 0.7, 0.3])
+    'ov_cf depth profile [0.8, 0.7, 0.3]; terminal jump (layer 2 minus the band before it) -0.39 CI [-0.41, -0.37]; adjacent jump -0.4 CI [-0.42, -0.38].'
+    """
+    def num(x: Any) -> str:
+        return "-" if x is None else f"{x:.3g}"
+
+    def ci(x: Any) -> str:
+        return f"[{num(x[0])}, {num(x[1])}]" if x else "[-, -]"
+
+    if d.get("ov_cf_terminal_ordinal") is None:
+        return "ov_cf depth profile: fewer than two routed layers, no terminal jump."
+    text = (f"ov_cf depth profile [{', '.join(num(v) for v in profile)}]; terminal jump (layer "
+            f"{d['ov_cf_terminal_ordinal']} minus the band before it) {num(d.get('ov_cf_terminal_jump'))} CI "
+            f"{ci(d.get('ov_cf_terminal_jump_ci'))}; adjacent jump {num(d.get('ov_cf_adjacent_jump'))} CI "
+            f"{ci(d.get('ov_cf_adjacent_jump_ci'))}.")
+    return text + (f" Note: {d['ov_cf_cliff_note']}." if d.get("ov_cf_cliff_note") else "")
+
+
+def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, bytes]]:
+    """The HTML page and its figures for a run's gate records."""
+    last = recs[-1]
+    figures = {
+        "loss_c2.png": png_bytes(fig_loss_c2(recs)),
+        "dead_experts.png": png_bytes(fig_dead(recs)),
+        "layer_c2.png": png_bytes(
+            fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / protected / late)")),
+        "stage_timeline.png": png_bytes(fig_timeline(recs)),
+    }
+    rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
+             r.get("margin"), r.get("status"), r.get("stage"), "; ".join(a["title"] for a in r.get("alerts", []))]
+            for r in recs]
+    color = STATUS_COLORS.get(last.get("status"), "#555")
+    licensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("licensed", []))
+    unlicensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("unlicensed", []))
+    body = f"""<h1>{html.escape(title)}</h1>
+<p>Last gate: step {last['step']} <span class="status" style="background:{color}">{html.escape(str(last.get('status')))}</span>
+stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('action', '')))}</p>
+<p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
+<h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
+<h2>Dead experts</h2>{_img(figures['dead_experts.png'], 'dead experts per gate')}
+<h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
+<h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
+sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
+<h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
+if last.get('param_drift') else 'no parameter drift recorded (a baseline gate, or gate.param_drift off).')}</p>
+<h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
+<h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
+<b>Not licensed</b><ul>{unlicensed}</ul><b>First intervention:</b> {html.escape(str(last.get('intervention')))}</div>
+<h2>Gates</h2>{_table(['step', 'loss', 'c2', 'dead', 'min H', 'cv', 'margin', 'status', 'stage', 'alerts'], rows)}"""
+    return _page(title, body), figures
+
+
+def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
+    """The HTML page for one receipts artifact."""
+    layers = [{"name": lay["name"], "protected": lay.get("protected"), **lay["receipts"]} for lay in data["layers"]]
+    figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
+    keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
+    rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
+    cliff = html.escape(cliff_text(data["summary"], data["summary"].get("ov_cf_profile") or []))
+    body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}<p>{cliff}</p>"
+            f"{_table(['layer', *keys], rows)}<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
+    return _page(title, body), figures
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>{body}</body></html>")
+
+
+def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None) -> Path:
+    """Write the HTML report for a run directory or a receipts JSON (and the PNGs when asked)."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".json":
+        page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
+    else:
+        page, figures = run_page(read_history(source), f"atlas run: {source.name}")
+    if png_dir is not None:
+        png_dir = Path(png_dir)
+        png_dir.mkdir(parents=True, exist_ok=True)
+        for name, png in figures.items():
+            (png_dir / name).write_bytes(png)
+    return write_atomic(Path(out), page)
+
+
+
+

@@ -1,0 +1,228 @@
+"""Reference tables generated from the code, so the docs cannot drift from it.
+
+The docs build (``make docs``; ``docs/hooks.py``) replaces each ``<!-- generated: NAME -->`` line of a
+page with the Markdown table :data:`GENERATORS` makes from its declaration:
+
+- ``configuration``: every key of the configuration tree (:mod:`atlas_tracking.schema.config`), its type,
+  default and docstring;
+- ``record-fields``: every field of the gate record (:mod:`atlas_tracking.schema.record`) by section;
+- ``tracker-keys``: every key a tracker receives, derived from the record's :class:`Metric` marks;
+- ``families``: the transformers family table (:mod:`atlas_tracking.adapters.families`), read and refused.
+
+Example:
+    >>> print(tracker_keys().splitlines()[2])
+    | `atlas/c2` | summary | Mean C2 over the routed layers. |
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from atlas_tracking.adapters.families import FAMILIES, REFUSED, REFUSED_ALIASES
+from atlas_tracking.adapters.hf import Family
+from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
+from atlas_tracking.schema import config as config_schema
+from atlas_tracking.schema import record as record_schema
+from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.schema.record import METRIC_NAMES, Stage, Status, metric_fields
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each attribute of a class body (dataclasses, TypedDicts, enums).
+
+    >>> list(attribute_docs(record_schema.Margins))
+    ['handoff_margin', 'refine_margin']
+    >>> attribute_docs(record_schema.Summary)["c2"]
+    'Mean C2 over the routed layers.'
+    """
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__ in ("builtins", "typing", "enum"):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for node, after in itertools.pairwise(body):
+            name = None
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                name = node.target.id
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                name = node.targets[0].id
+            if name and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
+                    and isinstance(after.value.value, str):
+                out[name] = " ".join(after.value.value.split())
+    return out
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _type_text(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    text = getattr(tp, "__name__", None) if isinstance(tp, type) else None
+    return text or str(tp).replace("typing.", "").replace("atlas_tracking.schema.record.", "")
+
+
+# --- configuration ------------------------------------------------------------------------------------
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "required"
+
+
+def configuration() -> str:
+    """One table per section of ``atlas.yaml``: key, allowed values, default, meaning."""
+    parts = []
+    sections = [(f.name, typing.get_type_hints(AtlasConfig)[f.name]) for f in dataclasses.fields(AtlasConfig)]
+    sections.append(("alerts.rules[]", config_schema.AlertRule))
+    for section, cls in sections:
+        hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
+        rows = []
+        for f in dataclasses.fields(cls):
+            if f.name.startswith("_"):
+                continue
+            default = _default(f)
+            if dataclasses.is_dataclass(default) or (isinstance(default, list) and default
+                                                     and dataclasses.is_dataclass(default[0])):
+                default = "see below" if section == "alerts" else default
+            rows.append([f"`{f.name}`", config_schema._type_name(hints[f.name]), f"`{default!r}`",
+                         docs.get(f.name, "")])
+        doc = " ".join((inspect.getdoc(cls) or "").split())
+        parts.append(f"### `{section}`\n\n{doc}\n\n" + _table(["key", "allowed", "default", "meaning"], rows))
+    return "\n\n".join(parts)
+
+
+# --- the gate record ----------------------------------------------------------------------------------
+
+RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "Decision", "LayerIdentity",
+                   "LayerReceipts", "LayerDrift")
+"""The sections of :class:`~atlas_tracking.schema.record.GateRecord` in the order the docs list them."""
+
+
+def record_fields() -> str:
+    """One table per section of the gate record: field, type, tracker key, meaning."""
+    parts = []
+    for name in RECORD_SECTIONS:
+        cls = getattr(record_schema, name)
+        hints = typing.get_type_hints(cls, vars(record_schema), include_extras=True)
+        docs, tracked = attribute_docs(cls), metric_fields(cls)
+        prefix = "atlas/layer_NN/" if name.startswith("Layer") else "atlas/"
+        rows = [[f"`{key}`", f"`{_type_text(tp)}`", f"`{prefix}{tracked[key]}`" if key in tracked else "",
+                 docs.get(key, "")] for key, tp in hints.items()]
+        where = "each entry of `layers`" if name.startswith("Layer") else "the record"
+        doc = " ".join((inspect.getdoc(cls) or "").split())
+        parts.append(f"### {name} ({where})\n\n{doc}\n\n" + _table(["field", "type", "tracker key", "meaning"], rows))
+    return "\n\n".join(parts)
+
+
+# --- tracker keys -------------------------------------------------------------------------------------
+
+DERIVED_METRICS = {
+    "status_code": "The status as a number: " + ", ".join(f"{s.value} {s.code}" for s in Status) + ".",
+    "stage_code": "The stage as a number: " + ", ".join(f"{s.value} {s.code}" for s in Stage) + ".",
+    "ov_cf_cliff_off_terminal": "1 when the dominant `ov_cf` cliff is not at the terminal routed layer, else 0.",
+}
+"""Tracker keys computed from a record rather than copied from one field."""
+
+
+def tracker_keys() -> str:
+    """Every key a tracker receives, where it comes from and what it means."""
+    docs = {**attribute_docs(record_schema.Summary), **attribute_docs(record_schema.Margins),
+            **attribute_docs(record_schema.BaseDamage), **attribute_docs(record_schema.Gate)}
+    rows: list[list[str]] = []
+    for cls, kind in ((record_schema.Summary, "summary"), (record_schema.Gate, "gate"),
+                      (record_schema.Margins, "against the baseline"), (record_schema.BaseDamage, "against the baseline")):
+        for key, name in metric_fields(cls).items():
+            unit = " (load CV x 100)" if key in METRIC_NAMES else ""
+            rows.append([f"`atlas/{name}`", kind, docs.get(key, "") + unit])
+    rows += [[f"`atlas/{key}`", "decision", text] for key, text in DERIVED_METRICS.items()]
+    groups = ", ".join(PARAM_GROUPS)
+    rows.append(["`atlas/param_drift/<group>`", "against the baseline",
+                 f"Relative L2 distance of a module group's parameters ({groups}, and `total`)."])
+    rows.append(["`atlas/param_drift/<group>_moved`", "against the baseline", "Elements of the group that moved."])
+    layer_docs = attribute_docs(record_schema.LayerRecord)
+    rows += [[f"`atlas/layer_NN/{key}`", "per routed layer", layer_docs.get(key, "")]
+             for key in metric_fields(record_schema.LayerRecord)]
+    return _table(["key", "kind", "meaning"], rows)
+
+
+# --- model families -----------------------------------------------------------------------------------
+
+
+def _shared_text(row: Family) -> str:
+    if row.shared is None:
+        return "-"
+    text = f"`{row.shared.module}`"
+    return text + (f" x sigmoid(`{row.shared.gate}`)" if row.shared.gate else "")
+
+
+def families() -> str:
+    """The transformers family table: every family read exactly, then every family refused with its reason."""
+    rows = []
+    for row in FAMILIES:
+        notes = ["exact, tested"]
+        if row.norm != "post_attention_layernorm":
+            notes.append(f"pre-norm `{row.norm}`")
+        if row.scale is not None:
+            notes.append("block scales the routed sum")
+        if row.model_types:
+            notes.append("also " + ", ".join(f"`{t}`" for t in row.model_types))
+        rows.append([f"`{row.name}`", ", ".join(f"`{b}`" for b in row.blocks), row.router.kind, row.gain,
+                     _shared_text(row), "; ".join(notes)])
+    aliases = {target: alias for alias, target in REFUSED_ALIASES.items()}
+    for name, (blocks, why) in REFUSED.items():
+        also = f" (also `{aliases[name]}`)" if name in aliases else ""
+        rows.append([f"`{name}`", ", ".join(f"`{b}`" for b in blocks), "-", "-", "-", f"refused{also}: {why}"])
+    return _table(["family (model type)", "MoE block", "router semantics", "norm gain", "shared experts", "status"],
+                  rows)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "configuration": configuration,
+    "record-fields": record_fields,
+    "tracker-keys": tracker_keys,
+    "families": families,
+}
+"""Placeholder name -> the function that makes its Markdown."""
+
+
+def expand(markdown: str) -> str:
+    """``markdown`` with every ``<!-- generated: NAME -->`` line replaced by its table; an unknown name is an error.
+
+    >>> expand("<!-- generated: nothing -->")
+    Traceback (most recent call last):
+    ...
+    KeyError: "unknown generated section 'nothing'; known: configuration, record-fields, tracker-keys, families"
+    """
+    out = []
+    for line in markdown.splitlines():
+        text = line.strip()
+        if text.startswith("<!-- generated:") and text.endswith("-->"):
+            name = text[len("<!-- generated:"):-len("-->")].strip()
+            if name not in GENERATORS:
+                raise KeyError(f"unknown generated section {name!r}; known: {', '.join(GENERATORS)}")
+            out.append(GENERATORS[name]())
+        else:
+            out.append(line)
+    return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")

@@ -1,0 +1,221 @@
+"""The main job, shortened: what the demo is for, on three seeds, not one machine's exact stage path.
+
+Pretraining from random weights reads ``pretraining`` (no YELLOW/RED, no WARN/ERROR stage alert,
+handoff readiness on every gate); the control continuation stays GREEN / clean after its resume
+baseline; the stressed run improves its loss while C2, dead experts, entropy and CV degrade, and
+reaches intervene with a WARN before an ERROR; the intervention branches from the stressed run's first
+intervene gate and the judge's verdict (whatever it is) is printed and agrees with the command line's.
+Seed 0 runs with the trackers and the report; two more seeds run bare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+
+
+def _demo(out: Path, *args: str) -> Path:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(out), *args],
+                          env=ENV, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (out / "stdout.txt").write_text(proc.stdout)
+    return out
+
+
+def _records(out: Path, run: str) -> list[dict]:
+    return [json.loads(x) for x in (out / run / "atlas" / "gates.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory) -> Path:
+    return _demo(tmp_path_factory.mktemp("demo"))
+
+
+def stage_alerts(recs: list[dict]) -> list[str]:
+    return [a["level"] for r in recs for a in r["alerts"] if a["key"].startswith("stage:")]
+
+
+def check_pretraining(out: Path) -> None:
+    recs = _records(out, "healthy")
+    pre = recs[: next(i for i, r in enumerate(recs) if r.get("resume"))]
+    assert pre[0]["step"] == 0 and pre[0]["status"] == "BASELINE"
+    assert pre[0]["phase_source"].startswith("detected at the first gate") and "freshly initialised" in pre[0][
+        "phase_source"]
+    assert len(pre) >= 3 and all(r["phase"] == "pretraining" for r in pre)
+    assert [r["status"] for r in pre[1:]] == ["GREEN"] * (len(pre) - 1)
+    assert not set(stage_alerts(pre)) & {"WARN", "ERROR"}
+    assert all(r["stage"] in ("forming", "ready") for r in pre[1:])
+    for prev, r in pairwise(pre):  # the reference rolls forward: each gate against the one before
+        assert r["baseline_step"] == prev["step"] and r["handoff"]["reference_step"] == prev["step"]
+        assert isinstance(r["handoff"]["ready"], bool) and isinstance(r["handoff"]["margin"], float)
+        assert r["handoff"]["ready"] == (r["handoff"]["reasons"] == [])
+    assert pre[-1]["loss"] < pre[1]["loss"]
+
+
+def check_control(out: Path) -> None:
+    recs = _records(out, "healthy")
+    resumed = [i for i, r in enumerate(recs) if r.get("resume")]
+    assert len(resumed) == 1
+    base = recs[resumed[0]]
+    assert (base["status"], base["phase"], base["phase_before_resume"]) == ("BASELINE", "post_training", "pretraining")
+    after = recs[resumed[0] + 1 :]
+    assert len(after) == 2 and all((r["status"], r["stage"]) == ("GREEN", "clean") for r in after)
+    assert all(r["baseline_step"] == base["step"] and r["phase"] == "post_training" for r in after)
+    assert stage_alerts(after) == []
+
+
+def check_stressed(out: Path) -> None:
+    recs = _records(out, "stressed")
+    base, post = recs[0], recs[1:]
+    assert base["status"] == "BASELINE" and base["step"] == 0 and base["phase"] == "post_training"
+    assert "a trained model" in base["phase_source"]
+    assert post[-1]["loss"] < post[0]["loss"]
+    assert post[-1]["c2"] < base["c2"] and post[-1]["dead_experts"] > base["dead_experts"]
+    assert post[-1]["min_entropy"] < base["min_entropy"] and post[-1]["mean_cv"] > base["mean_cv"]
+    assert "intervene" in [r["stage"] for r in post]
+    assert all(r["status"] in ("YELLOW", "RED") for r in post)
+    levels = stage_alerts(post)
+    assert levels[0] == "WARN" and "ERROR" in levels
+    # parameter drift, the contrast surface: experts and router were frozen, so not one of their elements moved
+    drift = post[-1]["param_drift"]["groups"]
+    assert drift["experts"]["moved"] == 0 and drift["router"]["moved"] == 0
+    assert drift["attention"]["moved"] > 0 and drift["embeddings"]["moved"] > 0
+    # protected_layers auto: mid until two post-baseline gates exist, then chosen from them (the mid band of the
+    # demo's four routed layers is layers 1 and 2, so the chosen set is that band whatever the evidence)
+    assert [r["protected_source"].startswith("mid (no evidence yet") for r in recs] == [True] * 3 + [False] * 3
+    assert all(r["protected_source"] == "auto" and r["protected_layers"] == [1, 2] for r in recs[3:])
+
+
+def check_intervention(out: Path) -> None:
+    from atlas_tracking.decisions.judge import EXIT_CODES
+
+    stressed, recs = _records(out, "stressed"), _records(out, "intervention")
+    summary = json.loads((out / "summary.json").read_text())
+    branch = summary["judge"]["branch_step"]
+    assert branch == next(r["step"] for r in stressed if r["stage"] == "intervene")  # the first intervene gate
+    at_branch = next(r for r in stressed if r["step"] == branch)
+    assert recs[0]["status"] == "BASELINE" and recs[0]["step"] == 0 and len(recs) == 4
+    # the intervention's baseline measures the branch weights: the stressed gate's receipts, within float noise
+    # (the same weights in a fresh module, the same canary and kernels)
+    for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "canary_nll"):
+        assert recs[0][key] == pytest.approx(at_branch[key], abs=1e-6)
+    text = (out / "stdout.txt").read_text()
+    verdict = summary["judge"]["verdict"]
+    assert f"== judge verdict on the intervention: {verdict}" in text
+    # the command line, as an operator runs it, gives the same verdict and exit code
+    proc = subprocess.run([sys.executable, "-m", "atlas_tracking.cli", "judge", "--stressed", str(out / "stressed"),
+                           "--candidate", str(out / "intervention" / "atlas" / "gates.jsonl"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_CODES[verdict] and json.loads(proc.stdout)["verdict"] == verdict
+    for run in ("healthy", "stressed", "intervention"):  # the terminal cliff of each run's last gate
+        last = _records(out, run)[-1]
+        line = next(x for x in text.splitlines() if x.startswith(f"{run:12s} step"))
+        assert f"terminal jump {last['ov_cf_terminal_jump']:+.3f}" in line
+        assert " ".join(f"{layer['ov_cf']:.3f}" for layer in last["layers"]) in line
+
+
+@pytest.mark.slow
+def test_pretraining_from_random_weights_reads_forming_with_handoff_readiness(demo_out):
+    check_pretraining(demo_out)
+    text = (demo_out / "stdout.txt").read_text()
+    assert "== handoff readiness at the end of pretraining" in text
+
+
+@pytest.mark.slow
+def test_stressed_run_decouples_loss_from_the_atlas(demo_out):
+    check_stressed(demo_out)
+    assert "decoupling in the stressed run" in (demo_out / "stdout.txt").read_text()
+
+
+@pytest.mark.slow
+def test_control_continuation_stays_clean_after_its_resume_baseline(demo_out):
+    check_control(demo_out)
+
+
+@pytest.mark.slow
+def test_bounded_kl_to_the_base_is_within_ten_percent_below_the_exact_one_on_the_demo_model(demo_out):
+    """``compare`` of the handoff weights and the end of the stressed run: kl_base (K = 32 of 256) against
+    the exact full-vocabulary KL; every gate after a baseline carries kl_base and the canary NLL delta.
+
+    Measured: 0.7004 bounded, 0.7404 exact (5.4% below) in this shortened demo (300 pretraining steps: a
+    flatter base leaves more mass outside its top 32); 0.8190 and 0.8410 (2.6%) in the full ``make demo``."""
+    kl = json.loads((demo_out / "drift.json").read_text())["kl_base"]
+    bounded, exact = kl["bounded"]["value"], kl["exact"]["value"]
+    assert 0 < bounded <= exact + 1e-6 and exact - bounded <= 0.10 * exact
+    for run in ("healthy", "stressed"):
+        for r in _records(demo_out, run):
+            if r["status"] != "BASELINE":
+                assert r["kl_base"] >= 0 and isinstance(r["canary_nll_delta"], float), (run, r["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [6, 7])
+def test_other_seeds_read_the_same(seed, tmp_path):
+    out = _demo(tmp_path, "--seed", str(seed), "--no-trackers", "--no-extras")
+    check_pretraining(out)
+    check_control(out)
+    check_stressed(out)
+    check_intervention(out)
+
+
+@pytest.mark.slow
+def test_intervention_branches_at_the_first_intervene_gate_and_is_judged(demo_out):
+    check_intervention(demo_out)
+
+
+@pytest.mark.slow
+def test_trackers_hold_the_gates(demo_out):
+    summary = json.loads((demo_out / "summary.json").read_text())["trackers"]
+    stressed = _records(demo_out, "stressed")
+    assert summary["mlflow/stressed"][0]["atlas.stage"] == stressed[-1]["stage"]
+    assert summary["wandb/stressed"][0]["atlas_rows"] == len(stressed)
+    assert any("intervene" in t for t in summary["wandb/stressed"][0]["alerts"])
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=900)
+    found = shutil.which("chromium")
+    if not found:
+        pytest.skip("Debian's chromium is not installed and could not be installed here")
+    return found
+
+
+@pytest.mark.slow
+def test_report_renders_in_headless_chromium(demo_out, tmp_path):
+    from PIL import Image
+
+    report = demo_out / "stressed" / "report.html"
+    html = report.read_text()
+    assert "http://" not in html and "https://" not in html  # self-contained
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0", "--hide-scrollbars",
+         "--window-size=1100,2400", f"--screenshot={shot}", report.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shot.exists(), proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+    img = Image.open(shot).convert("L")
+    assert img.size == (1100, 2400)
+    pixels = img.getdata()
+    non_blank = sum(1 for p in pixels if p < 240)
+    assert non_blank > 0.02 * len(pixels)
+    for png in ("loss_c2.png", "dead_experts.png", "layer_c2.png", "stage_timeline.png"):
+        assert (demo_out / "stressed" / "figures" / png).stat().st_size > 5000
