@@ -35,7 +35,7 @@ from atlas_tracking.decisions.phases import (
     v2_c1_failures,
 )
 from atlas_tracking.schema.config import AtlasConfig, PolicyConfig
-from atlas_tracking.schema.record import DELTA_FIELDS, Decision, Phase, Stage, Status
+from atlas_tracking.schema.record import DELTA_FIELDS, GateDecision, Phase, Stage, Status
 
 ACTIONS = {
     Stage.baseline: "Wait for the first post-baseline gate: a baseline is a new reference point, not evidence of preservation.",
@@ -165,42 +165,6 @@ class GateSummary:
         for key in self.CI_FIELDS:
             d[key] = list(d[key]) if d[key] else None
         return d
-
-
-@dataclass
-class GateDecision:
-    """The policy's reading of one gate."""
-
-    step: int
-    status: Status
-    stage: Stage
-    c2_trend: str
-    occupancy: str
-    loss_trend: str
-    action: str
-    interpretation: str
-    licensed: list[str]
-    unlicensed: list[str]
-    intervention: str | None
-    worst_layers: list[dict[str, Any]] = field(default_factory=list)
-    stage_before_resume: str | None = None
-    alerts: list[dict[str, Any]] = field(default_factory=list)
-    phase: Phase = Phase.post_training
-    phase_source: str = ""
-    phase_before_resume: str | None = None
-    handoff: dict[str, Any] | None = None
-    """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
-    collapse: list[str] = field(default_factory=list)
-    """Pretraining: the routed layers whose occupancy collapsed (empty when none)."""
-
-    def __post_init__(self) -> None:
-        self.status, self.stage, self.phase = Status(self.status), Stage(self.stage), Phase(self.phase)
-
-    def to_dict(self) -> Decision:
-        """The record's decision fields (:class:`~atlas_tracking.schema.record.Decision`), enums as plain strings."""
-        d = asdict(self)
-        d.update(status=self.status.value, stage=self.stage.value, phase=self.phase.value)
-        return d  # type: ignore[return-value]
 
 
 def _trend_vs(now: float, ref: float, tol: float) -> str:

@@ -1,7 +1,8 @@
 """The gate record: one JSON object per gate, the line appended to ``atlas/gates.jsonl``.
 
 Declared once, here: each section of the record is a ``TypedDict`` whose fields carry their type and a
-docstring; a field that trackers receive is marked ``Annotated[..., Metric()]``. Every field list the
+docstring (the policy's decision is the dataclass :class:`GateDecision`, which the policy returns); a field
+that trackers receive is marked ``Annotated[..., Metric()]``. Every field list the
 package uses (what a record copies from a receipts artifact, what reaches a tracker, the docs' tables) is
 derived from these declarations. Status, stage and phase are string enums: a record holds their values, so
 ``record["status"] == Status.GREEN`` and ``json.dumps`` needs nothing special.
@@ -26,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Annotated, Any, TypedDict, get_type_hints
 
@@ -281,9 +282,12 @@ class BaseDamage(TypedDict, total=False):
     """Why ``kl_base`` is absent (a baseline saved without the base log-probabilities)."""
 
 
-class Decision(TypedDict, total=False):
-    """The policy's reading of the gate (:class:`~atlas_tracking.decisions.policy.GateDecision`)."""
+@dataclass
+class GateDecision:
+    """The policy's reading of one gate (:meth:`GatePolicy.read <atlas_tracking.decisions.policy.GatePolicy.read>`):
+    the record holds :meth:`to_dict` without ``step``, enums as plain strings."""
 
+    step: int
     status: Status
     """BASELINE | GREEN | YELLOW | RED."""
     stage: Stage
@@ -304,22 +308,31 @@ class Decision(TypedDict, total=False):
     """Claims this gate does not license."""
     intervention: str | None
     """The first intervention to try, by the observed pattern."""
-    worst_layers: list[dict[str, Any]]
+    worst_layers: list[dict[str, Any]] = field(default_factory=list)
     """The protected layers with the most negative C2 change (at most three)."""
-    stage_before_resume: str | None
+    stage_before_resume: str | None = None
     """A resume gate: the stage the run was in before."""
-    alerts: list[dict[str, Any]]
+    alerts: list[dict[str, Any]] = field(default_factory=list)
     """The alerts this gate raised (level, title, text)."""
-    phase: Phase
+    phase: Phase = Phase.post_training
     """pretraining | post_training."""
-    phase_source: str
+    phase_source: str = ""
     """Why the gate is read in that phase."""
-    phase_before_resume: str | None
+    phase_before_resume: str | None = None
     """A resume that changed the phase (the handoff): the phase before."""
-    handoff: dict[str, Any] | None
+    handoff: dict[str, Any] | None = None
     """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
-    collapse: list[str]
-    """Pretraining: the routed layers whose occupancy collapsed."""
+    collapse: list[str] = field(default_factory=list)
+    """Pretraining: the routed layers whose occupancy collapsed (empty when none)."""
+
+    def __post_init__(self) -> None:
+        self.status, self.stage, self.phase = Status(self.status), Stage(self.stage), Phase(self.phase)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, the enums as plain strings (what a record and the policy's state hold)."""
+        d = asdict(self)
+        d.update(status=self.status.value, stage=self.stage.value, phase=self.phase.value)
+        return d
 
 
 class Gate(TypedDict, total=False):
@@ -371,8 +384,9 @@ class Gate(TypedDict, total=False):
     """One entry per routed layer, in forward order."""
 
 
-class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, Decision, total=False):
-    """One line of ``gates.jsonl``: every section above, flat where the policy reads it."""
+class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, total=False):
+    """One line of ``gates.jsonl``: every section above, flat where the policy reads it, and the fields of
+    :class:`GateDecision` (:data:`DECISION_FIELDS`)."""
 
 
 # --- derived field lists -----------------------------------------------------------------------------
@@ -418,7 +432,10 @@ LAYER_DRIFT_FIELDS = fields(LayerDrift)
 CLIFF_FIELDS = fields(Cliff)
 BASE_DAMAGE_FIELDS = fields(BaseDamage)
 DELTA_FIELDS = fields(Deltas)
-DECISION_FIELDS = fields(Decision)
+DECISION_FIELDS = tuple(name for name in fields(GateDecision) if name != "step")
+"""The record fields that hold the policy's decision."""
+RECORD_FIELDS = (*fields(GateRecord), *DECISION_FIELDS)
+"""Every top-level field a gate record may hold."""
 
 
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:

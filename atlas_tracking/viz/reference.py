@@ -115,7 +115,7 @@ def configuration() -> str:
 
 # --- the gate record ----------------------------------------------------------------------------------
 
-RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "Decision", "LayerIdentity",
+RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "GateDecision", "LayerIdentity",
                    "LayerReceipts", "LayerDrift")
 """The sections of :class:`~atlas_tracking.schema.record.GateRecord` in the order the docs list them."""
 

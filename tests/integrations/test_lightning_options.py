@@ -98,33 +98,36 @@ LightningCLI(Module, args=["fit", "--config", {config!r}])
 '''
 
 
-def test_usable_from_lightning_cli_yaml(tmp_path):
-    pytest.importorskip("jsonargparse")
-    import subprocess
-    import sys
-
+def _lightning_cli(tmp_path, atlas_config: str, trainer: str = "") -> subprocess.CompletedProcess:
+    """``LightningCLI fit`` of the tiny module in a child process, with AtlasCallback configured in its YAML
+    (``atlas_config`` is the callback's ``config`` value, ``trainer`` more YAML lines of the trainer)."""
     tiny_canary().save(tmp_path / "canary.npz")
-    (tmp_path / "atlas.yaml").write_text(json.dumps(QUIET))
     config = tmp_path / "cli.yaml"
     config.write_text(f"""
 trainer:
   max_steps: 10
-  val_check_interval: 10
-  check_val_every_n_epoch: null
   logger: false
   enable_checkpointing: false
-  enable_progress_bar: false
   accelerator: cpu
-  default_root_dir: {tmp_path}
+  default_root_dir: {tmp_path}{trainer}
   callbacks:
     - class_path: atlas_tracking.integrations.lightning.AtlasCallback
       init_args:
         canary: {tmp_path / 'canary.npz'}
-        config: {tmp_path / 'atlas.yaml'}
+        config: {atlas_config}
 """)
     script = tmp_path / "cli.py"
     script.write_text(CLI_MODULE.format(config=str(config)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+
+
+def test_usable_from_lightning_cli_yaml(tmp_path):
+    pytest.importorskip("jsonargparse")
+    (tmp_path / "atlas.yaml").write_text(json.dumps(QUIET))
+    proc = _lightning_cli(tmp_path, str(tmp_path / "atlas.yaml"), trainer="""
+  val_check_interval: 10
+  check_val_every_n_epoch: null
+  enable_progress_bar: false""")
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(x) for x in (tmp_path / "atlas" / "gates.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 10]
@@ -132,24 +135,7 @@ trainer:
 
 def test_lightning_cli_wrong_config_key_is_said_first(tmp_path):
     """One wrong key in the callback's atlas config: the error naming it comes before the parser's traceback."""
-    tiny_canary().save(tmp_path / "canary.npz")
-    config = tmp_path / "cli.yaml"
-    config.write_text(f"""
-trainer:
-  max_steps: 10
-  logger: false
-  enable_checkpointing: false
-  accelerator: cpu
-  default_root_dir: {tmp_path}
-  callbacks:
-    - class_path: atlas_tracking.integrations.lightning.AtlasCallback
-      init_args:
-        canary: {tmp_path / 'canary.npz'}
-        config: {{policy: {{c2_toll: 0.1}}}}
-""")
-    script = tmp_path / "cli.py"
-    script.write_text(CLI_MODULE.format(config=str(config)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    proc = _lightning_cli(tmp_path, "{policy: {c2_toll: 0.1}}")
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode != 0
     first = next(i for i, line in enumerate(lines) if "unknown key 'policy.c2_toll'" in line)

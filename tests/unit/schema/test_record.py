@@ -14,7 +14,9 @@ from atlas_tracking.schema import record as schema
 
 
 def test_the_policys_decision_is_the_records_decision_section():
+    assert GateDecision is schema.GateDecision
     assert [f.name for f in dataclasses.fields(GateDecision)][1:] == list(schema.DECISION_FIELDS)
+    assert set(schema.DECISION_FIELDS) <= set(schema.RECORD_FIELDS)
 
 
 def test_status_and_stage_codes_are_the_tracker_codes():
