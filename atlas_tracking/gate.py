@@ -44,6 +44,7 @@ from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.artifacts.baseline import Baseline, BaselineError
+from atlas_tracking.artifacts.handoff_reference import HandoffReference, pinned_step
 from atlas_tracking.artifacts.history import append_line, key, new_id, read_history
 from atlas_tracking.artifacts.io import sha256_text, write_atomic
 from atlas_tracking.artifacts.record import gate_metrics, gate_record
@@ -101,6 +102,8 @@ class AtlasGate:
         check_canary_fits(model, self.canary)
         self.run_dir = RunDir(out_dir)
         self.layers = layers if layers is not None else find_routed_layers(model)
+        self.handoff_reference = self._declared_reference()
+        """The declared healthy reference of the handoff margin (``lifecycle.handoff_reference``), or None."""
         self.forward = forward
         self.keep_receipts = keep_receipts
         self.policy = GatePolicy(self.config)
@@ -109,6 +112,10 @@ class AtlasGate:
         self.alerts = AlertEngine(self.config.alerts, self.config.lifecycle)
         self.baseline: Baseline | None = None
         self.baseline_path: str | None = None
+        self.base: Baseline | None = None
+        self.base_path: str | None = None
+        """The post-training base: the first post-training baseline (the handoff), kept across resumes, against
+        which every later gate reports its cumulative base damage (docs/receipts.md#base-domain-damage)."""
         self.param_reference = ParamReference()
         """The parameters at the baseline (host copy), for the parameter drift beside the atlas drift."""
         self.run_id: str | None = None
@@ -130,6 +137,59 @@ class AtlasGate:
             extra.append(webhook)
         self.local = JsonlSink(self.run_dir.gates)
         self.delivery = Delivery(self.local, extra)
+
+    def _declared_reference(self) -> HandoffReference | None:
+        """Read and check ``lifecycle.handoff_reference`` now, so a wrong reference fails before training starts
+        (:class:`~atlas_tracking.artifacts.handoff_reference.HandoffReferenceError` names the difference). A pinned
+        gate of this run (``gate:N``) is read once that gate has run (:meth:`_pinned_reference`)."""
+        spec = self.config.lifecycle.handoff_reference
+        if spec is None or pinned_step(spec) is not None:
+            return None
+        return self._checked(HandoffReference.load(spec))
+
+    def _checked(self, reference: HandoffReference) -> HandoffReference:
+        reference.check_compatible([layer.describe() for layer in self.layers], type(self.model).__name__,
+                                   self.canary.fingerprint)
+        return reference
+
+    def _pinned_reference(self) -> None:
+        """With ``handoff_reference: gate:N``, this run's receipts of gate N become the reference once they exist
+        (read on rank zero and shared, so every rank reads its margin against the same reference)."""
+        step = pinned_step(self.config.lifecycle.handoff_reference)
+        if step is None or self.handoff_reference is not None:
+            return
+        found: Any = None
+        if _is_rank_zero():
+            path = self.run_dir.receipts_file(step)
+            if path.exists() and any(int(s) == step for s, _ in self.lineage):
+                found = self._checked(HandoffReference.load(path))
+        self.handoff_reference = _from_rank_zero(found)
+
+    def _measure(self, step: int, config: AtlasConfig, keep_anchors: bool) -> Any:
+        """One measurement against the baseline, the handoff margin against the declared reference if any, and
+        the base damage against the post-training base."""
+        base = None
+        if self.baseline is not None and self.base_path is not None:
+            base = self.baseline if self.base_path == self.baseline_path else self._load_base()
+        return measure(self.model, self.canary, baseline=self.baseline, config=config, step=step, layers=self.layers,
+                       forward=self.forward, keep_anchors=keep_anchors,
+                       handoff_reference=self.handoff_reference.layers if self.handoff_reference else None, base=base)
+
+    def _load_base(self) -> Baseline | None:
+        """The post-training base, read once; a base that cannot be read is a warning and the gate goes on without
+        cumulative damage (the record then has no ``base_step``)."""
+        if self.base is None and self.base_path is not None:
+            try:
+                self.base = Baseline.load(self.base_path)
+            except BaselineError as exc:
+                log.warning("atlas: cannot read the post-training base %s (%s); no damage since the base at this gate",
+                            self.base_path, exc)
+        return self.base
+
+    def _keep_base(self, record: dict[str, Any]) -> None:
+        """The first post-training baseline becomes the base and stays it across resumes."""
+        if self.base_path is None and record["status"] == "BASELINE" and record.get("phase") == "post_training":
+            self.base_path, self.base = self.baseline_path, self.baseline
 
     # --- the run directory ------------------------------------------------------------------
     @property
@@ -210,14 +270,12 @@ class AtlasGate:
         self.claim()
         t0 = time.perf_counter()
         self._load_existing_baseline()
+        self._pinned_reference()
         resume = self._resume_pending
         # In pretraining every gate becomes the next one's reference (docs/policy.md#lifecycle-phases).
         new_baseline = self.baseline is None or resume or self.policy.rolls_reference
-        config, protection = self._protection()
-        report = measure(
-            self.model, self.canary, baseline=self.baseline, config=config, step=step,
-            layers=self.layers, forward=self.forward, keep_anchors=new_baseline,
-        )
+        config, protection = self._protection(step)
+        report = self._measure(step, config, new_baseline)
         param_drift = self._param_drift(step, new_baseline)
         if new_baseline:
             self.baseline = Baseline.from_report(report)
@@ -228,6 +286,8 @@ class AtlasGate:
                 self.run_dir.point_baseline(target)
         record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
         record.update(run_id=self.run_id, branch=self.branch, **protection)
+        if self.handoff_reference is not None:
+            record["handoff_reference"] = self.handoff_reference.source
         if param_drift is not None:
             record["param_drift"] = param_drift
         if log_step is not None:
@@ -239,6 +299,7 @@ class AtlasGate:
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events
         record.update({k: v for k, v in decision.items() if k != "step"})
+        self._keep_base(record)
         self._resume_pending = False
         self._canary_changed_from = None
         self.gates_run += 1
@@ -249,16 +310,19 @@ class AtlasGate:
         self.seconds_total += time.perf_counter() - t0
         return record
 
-    def _protection(self) -> tuple[AtlasConfig, dict[str, Any]]:
-        """The configuration this gate measures with and the record fields of its protected set: with
-        ``protected_layers: auto`` the set is chosen from the run's history before the gate (on rank zero,
-        shared with every rank; :mod:`atlas_tracking.decisions.protection`), else the configuration as it is."""
-        if self.config.lifecycle.protected_layers != "auto":
-            return self.config, {}
+    def _protection(self, step: int) -> tuple[AtlasConfig, dict[str, Any]]:
+        """The configuration the gate at ``step`` measures with and the record fields of its protected set,
+        read against the run's history on rank zero and shared with every rank
+        (:mod:`atlas_tracking.decisions.protection`): with ``protected_layers: auto`` the set the run chose
+        once (``mid`` until then), else the configuration as it is; a set that differs from the previous
+        gate's is recorded as ``protected_change``."""
         names = [layer.name for layer in self.layers]
         chosen = for_gate(self.run_dir.path if self._claimed else None, self.canary.fingerprint, names,
-                          self.config.lifecycle) if _is_rank_zero() else None
+                          self.config.lifecycle, step=step,
+                          pretraining=self.policy.rolls_reference) if _is_rank_zero() else None
         chosen = _from_rank_zero(chosen)
+        if not chosen["auto"]:
+            return self.config, record_fields(chosen)
         config = copy.deepcopy(self.config)
         config.lifecycle.protected_layers = list(chosen["ordinals"])
         return config, record_fields(chosen)
@@ -304,12 +368,13 @@ class AtlasGate:
         never to ``gates.jsonl``, and not delivered to trackers.
         """
         self._load_existing_baseline()
-        config, protection = self._protection()
-        report = measure(self.model, self.canary, baseline=self.baseline, config=config, step=step,
-                         layers=self.layers, forward=self.forward, keep_anchors=False)
+        config, protection = self._protection(step)
+        report = self._measure(step, config, False)
         record = gate_record(report, None, step=step, loss=loss,
                              baseline_path=self.baseline_path if self.baseline is not None else None)
         record.update(kind=kind, run_id=self.run_id, branch=self.branch, **protection)
+        if self.handoff_reference is not None:
+            record["handoff_reference"] = self.handoff_reference.source
         decision = copy.deepcopy(self.policy).read(GateSummary.from_dict(record)).to_dict()
         record.update({k: v for k, v in decision.items() if k != "step"})
         if _is_rank_zero():
@@ -365,6 +430,7 @@ class AtlasGate:
             "policy": self.policy.state_dict(),
             "alerts": self.alerts.state_dict(),
             "baseline_path": self.baseline_path,
+            "base_path": self.base_path,
             "canary_fingerprint": self.canary.fingerprint,
             "gates_run": self.gates_run,
             "run_id": self.run_id,
@@ -382,6 +448,7 @@ class AtlasGate:
         self.policy.load_state_dict(state["policy"])
         self.alerts.load_state_dict(state["alerts"])
         self.baseline_path = state.get("baseline_path")
+        self.base_path, self.base = state.get("base_path"), None
         self.gates_run = int(state.get("gates_run", 0))
         self.lineage = [list(k) for k in state.get("lineage", [])]
         if state.get("run_id"):
@@ -394,5 +461,9 @@ class AtlasGate:
                         "is a new baseline on the new canary (the old baseline is kept at %s)",
                         before[:16], self.canary.fingerprint[:16], self.baseline_path)
             self.baseline_path = None
+            if self.base_path is not None:
+                log.warning("atlas: the post-training base %s was measured on the old canary: the next post-training "
+                            "baseline becomes the base on the new canary", self.base_path)
+            self.base_path = None
         self.baseline = None
         self.param_reference.clear()  # the next gate is a new baseline: parameter drift starts from it

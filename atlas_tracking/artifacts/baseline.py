@@ -107,7 +107,7 @@ class Baseline:
                 "kind": BASELINE_KIND,
                 "step": report.step,
                 "canary": report.canary,
-                "model": {**report.model, "layers": [_layer_key(layer) for layer in report.layers]},
+                "model": {**report.model, "layers": [layer_key(layer) for layer in report.layers]},
                 "config": report.config,
                 "anchors": {"positions": report.anchors["positions"], "batch_windows": report.anchors["batch_windows"]},
                 "kl": kl_info,
@@ -209,7 +209,7 @@ class Baseline:
                 f"canary fingerprint mismatch: baseline was measured on {base_fp[:12]}, this canary is "
                 f"{canary_fingerprint[:12]}; receipts are only compared on the same canary"
             )
-        mine = [_layer_key(layer) for layer in model_layers]
+        mine = [layer_key(layer) for layer in model_layers]
         theirs = self.manifest["model"]["layers"]
         if len(mine) != len(theirs):
             raise BaselineError(
@@ -244,7 +244,8 @@ class Baseline:
         return out
 
 
-def _layer_key(layer: dict[str, Any]) -> dict[str, Any]:
+def layer_key(layer: dict[str, Any]) -> dict[str, Any]:
+    """What must match between a routed layer and its reference: path, family, experts, top-k and width."""
     return {k: layer[k] for k in ("name", "family", "num_experts", "top_k", "hidden_size")}
 
 

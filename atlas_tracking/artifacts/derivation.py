@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ from atlas_tracking.receipts.state1 import boundary_count
 from atlas_tracking.receipts.stats import (
     bootstrap_indices,
     diff_ci,
+    float_multiplicity,
     percentile_ci,
     ratio,
     ratio_ci,
@@ -104,8 +106,15 @@ def derive_drift(
     n_tokens: int,
     receipts_cfg: dict[str, Any],
     lifecycle_cfg: dict[str, Any],
+    base: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Per-layer drift, paired deltas vs the baseline, boundary concentration, and lifecycle margins."""
+    """Per-layer drift, paired deltas vs the baseline, boundary concentration, and lifecycle margins.
+
+    ``base`` is the post-training base (``step``, per-layer ``reference``, and its per-window ``canary_nll``, None
+    when the base is the baseline itself): the refinement margin's occupancy ratio reads against it, and the base
+    damage since the base (``kl_base_cumulative``, ``canary_nll_delta_cumulative``) is derived beside the damage
+    since the baseline (docs/receipts.md#base-domain-damage).
+    """
     n_windows = len(per_window["canary_nll"]["sum"])
     idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
     level, q = receipts_cfg["ci_level"], receipts_cfg["boundary_q"]
@@ -153,9 +162,16 @@ def derive_drift(
     lc = lifecycle_cfg
     h, h_layer = handoff_margin(now, handoff_reference, protected, lc["lam1"], lc["lam2"], n_tokens)
     mu = (lc["mu1"], lc["mu2"], lc["mu3"])
-    r, r_layer = refine_margin(now, out_layers, reference, protected, mu, lc["tau"], n_tokens)
+    since_base = base is not None and base.get("canary_nll") is not None
+    refine_drift = _drift_since_base(per_window) if since_base else None
+    refine_ref = base["reference"] if base else reference
+    r, r_layer = refine_margin(now, refine_drift or out_layers, refine_ref, protected, mu, lc["tau"], n_tokens)
+    r_ci = _refine_ci(per_window, "drift_base" if refine_drift else "drift", refine_ref, protected, lc, n_tokens,
+                      idx, level)
     summary_deltas = _summary_occupancy_deltas(occ_samples, level)
     summary_deltas.update(_base_damage(per_window, base_pw, idx, level))
+    if base is not None:
+        summary_deltas.update(_cumulative_damage(per_window, base, summary_deltas, idx, level))
     return jsonable(
         {
             "layers": out_layers,
@@ -166,8 +182,11 @@ def derive_drift(
             "handoff_layer": layers[h_layer]["name"],
             "refine_margin": r,
             "refine_layer": layers[r_layer]["name"],
+            "refine_margin_ci": r_ci,
+            "refine_reference": _refine_reference(base, refine_drift is not None),
             "reference": reference,
             "handoff_reference": handoff_reference,
+            **({"base": base} if base is not None else {}),
         }
     )
 
@@ -188,6 +207,65 @@ def _summary_occupancy_deltas(occ_samples: list[dict[str, Any]], level: float) -
         out[f"{key}_delta"] = float(diff[0])
         out[f"{key}_delta_ci"] = list(percentile_ci(diff[1:], level))
     return out
+
+
+def _refine_ci(per_window: dict[str, Any], drift_key: str, reference: list[dict[str, Any]], protected: list[int],
+               lc: dict[str, Any], n_tokens: int, idx: np.ndarray, level: float) -> list[float]:
+    """Window-bootstrap CI of the refinement margin: each resample re-counts the protected layers' boundary and
+    content drift and their expert loads (so ``pi_min``) on the same windows; the reference's ``pi_min`` is fixed."""
+    eps = 1.0 / n_tokens
+    worst: np.ndarray | None = None
+    for i in protected:
+        lpw = per_window["layers"][i]
+        bd, cd = (ratio_samples(np.asarray(lpw[drift_key][name]["sum"], float),
+                                np.asarray(lpw[drift_key][name]["count"], float), idx)
+                  for name in ("boundary_drift", "content_drift"))
+        loads = float_multiplicity(idx, len(lpw["load"])) @ np.asarray(lpw["load"], np.float64)
+        rho = (loads.min(axis=1) / n_tokens + eps) / (reference[i]["pi_min"] + eps)
+        term = lc["mu1"] * bd + lc["mu2"] * cd + lc["mu3"] * (1.0 - rho)
+        worst = term if worst is None else np.fmax(worst, term)
+    if worst is None:
+        return [math.nan, math.nan]
+    return list(percentile_ci(lc["tau"] - worst, level))
+
+
+def _drift_since_base(per_window: dict[str, Any]) -> list[dict[str, float]] | None:
+    """Per layer, the boundary and content drift against the post-training base's anchors (None when the gate
+    did not measure them: the base's anchors sit at other positions)."""
+    if any("drift_base" not in lpw for lpw in per_window["layers"]):
+        return None
+    out = []
+    for lpw in per_window["layers"]:
+        d = lpw["drift_base"]
+        out.append({name: ratio(np.asarray(d[name]["sum"], float), np.asarray(d[name]["count"], float))
+                    for name in ("boundary_drift", "content_drift")})
+    return out
+
+
+def _refine_reference(base: dict[str, Any] | None, drift_since_base: bool) -> str:
+    """What the refinement margin read against, in words (the record's ``refine_reference``)."""
+    if base is None:
+        return "the baseline"
+    if base.get("canary_nll") is None or drift_since_base:
+        return f"the post-training base (step {base.get('step')})"
+    return (f"occupancy against the post-training base (step {base.get('step')}), drift since the baseline (the base's "
+            "anchors sit at other positions)")
+
+
+def _cumulative_damage(per_window: dict[str, Any], base: dict[str, Any], since_baseline: dict[str, Any],
+                       idx: np.ndarray, level: float) -> dict[str, Any]:
+    """The base damage since the post-training base: ``kl_base_cumulative`` from the KL against the base's
+    log-probabilities (``per_window["kl_cumulative"]``) and ``canary_nll_delta_cumulative`` paired against the
+    base's per-window canary NLL; when the base is the baseline (``base["canary_nll"]`` None) they are the
+    damage since the baseline."""
+    out: dict[str, Any] = {"base_step": base.get("step")}
+    if base.get("canary_nll") is None:
+        return {**out, **{f"{key}_cumulative{ci}": since_baseline.get(f"{key}{ci}")
+                          for key in ("kl_base", "canary_nll_delta") for ci in ("", "_ci")}}
+    damage = _base_damage({"canary_nll": per_window["canary_nll"], "kl_base": per_window.get("kl_cumulative")},
+                          {"canary_nll": base["canary_nll"]}, idx, level)
+    return {**out, **{f"{key}_cumulative{ci}": damage[f"{key}{ci}"]
+                      for key in ("kl_base", "canary_nll_delta") for ci in ("", "_ci")}}
 
 
 def _base_damage(per_window: dict[str, Any], base_pw: dict[str, Any], idx: np.ndarray, level: float) -> dict[str, Any]:

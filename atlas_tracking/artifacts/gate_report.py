@@ -174,14 +174,14 @@ def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[st
         fresh = derive_drift(
             layers, data["per_window"], data["per_window"]["baseline"], stored["reference"],
             stored["handoff_reference"], canary["n_windows"] * canary["window"],
-            data["config"]["receipts"], data["config"]["lifecycle"],
+            data["config"]["receipts"], data["config"]["lifecycle"], stored.get("base"),
         )
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
     problems = []
     for key in (*fields(Margins), "handoff_layer", "refine_layer", *DELTA_FIELDS, *BASE_DAMAGE_KEYS):
-        if key in BASE_DAMAGE_KEYS and key not in stored:
-            continue  # an artifact written before base-domain damage was measured
+        if key in (*BASE_DAMAGE_KEYS, "refine_reference", "refine_margin_ci") and key not in stored:
+            continue  # an artifact written before base-domain damage and the post-training base were measured
         if not _close(stored.get(key), fresh[key]):
             problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
     for a, b in zip(stored["layers"], fresh["layers"]):

@@ -38,6 +38,7 @@ from atlas_tracking.schema.record import (
     STAGE_CODES,
     STATUS_CODES,
     SUMMARY_METRICS,
+    VERDICT_CODES,
     GateRecord,
     LayerRecord,
 )
@@ -96,6 +97,8 @@ def gate_record(
     if report.drift is not None:
         record["handoff_margin"] = report.drift["handoff_margin"]
         record["refine_margin"] = report.drift["refine_margin"]
+        record["refine_margin_ci"] = report.drift["refine_margin_ci"]
+        record["refine_reference"] = report.drift["refine_reference"]
         record.update({k: report.drift[k] for k in DELTA_FIELDS})  # type: ignore[misc]
         record.update({k: report.drift.get(k) for k in BASE_DAMAGE_FIELDS if k in report.drift})
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")
@@ -142,6 +145,10 @@ def gate_metrics(record: GateRecord | dict[str, Any], per_layer: bool = True) ->
         out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
     if record.get("stage") in STAGE_CODES:
         out["atlas/stage_code"] = float(STAGE_CODES[record["stage"]])
+    for name, entry in (record.get("predicates") or {}).items():
+        code = VERDICT_CODES.get((entry or {}).get("verdict"))
+        if code is not None:
+            out[f"atlas/predicate/{name}"] = float(code)
     if per_layer:
         for layer in record.get("layers", []):
             for key in LAYER_METRICS:

@@ -1,4 +1,5 @@
-"""``atlas-tracking protect``: the layers ``protected_layers: auto`` chooses from a run's gates, and why."""
+"""``atlas-tracking protect``: a protected set proposed from a run's whole record (the rule of
+``protected_layers: auto``), the set in force, and the configuration line that adopts the proposal."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("protect", help="which layers protected_layers: auto chooses from a run's gates, and why "
-                                       "(exit 2 on bad input)")
+    p = sub.add_parser("protect", help="propose a protected set from a run's record (the rule of protected_layers: "
+                                       "auto), and how to adopt it (exit 2 on bad input)")
     p.add_argument("run", help="the run's atlas directory or its gates.jsonl")
     p.add_argument("--config", help="atlas YAML config (lifecycle.auto_* settings)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (ordinals, source, per-layer reasons)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (proposal, set in force, adopt line, per-layer reasons)")
     p.set_defaults(func=run)

@@ -3,7 +3,8 @@
 Defaults: entering ``revoked`` (WARN), entering ``intervene`` (ERROR), a resume baseline (INFO),
 a re-baseline after a canary change (INFO, naming both fingerprints) and recovery back to
 ``clean`` (INFO); in pretraining, entering ``collapse`` (occupancy collapse, WARN) and entering
-``ready`` (handoff readiness, INFO). Levels come from :class:`~atlas_tracking.schema.config.AlertsConfig`
+``ready`` (handoff readiness, INFO); in post-training, a predicate turning ``fail``: protected-atlas
+rewrite (WARN) and base-domain damage (WARN). Levels come from :class:`~atlas_tracking.schema.config.AlertsConfig`
 and "off" disables one. Threshold rules (``dead_experts > 64 on any protected layer``) fire at
 most once per ``min_interval_steps``. Trackers deliver the events elsewhere.
 
@@ -59,13 +60,17 @@ class AlertEngine:
         self.lifecycle = lifecycle or LifecycleConfig()
         self.last_stage: str | None = None
         self.last_fired: dict[str, int] = {}
+        self.last_verdicts: dict[str, str] = {}
+        """The predicates' verdicts at the last gate that read them."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_stage": self.last_stage, "last_fired": dict(self.last_fired)}
+        return {"last_stage": self.last_stage, "last_fired": dict(self.last_fired),
+                "last_verdicts": dict(self.last_verdicts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_stage = state.get("last_stage")
         self.last_fired = {k: int(v) for k, v in state.get("last_fired", {}).items()}
+        self.last_verdicts = dict(state.get("last_verdicts", {}))
 
     def _event(self, level: str, title: str, text: str, key: str, step: int) -> AlertEvent:
         return AlertEvent(_title(title), text, level, key, step, self.cfg.wait_duration_s)
@@ -114,6 +119,20 @@ class AlertEngine:
                                    "C2 and occupancy recovered jointly over repeated gates.", "stage:clean", step))
         return out
 
+    def _predicate_events(self, decision: dict[str, Any], step: int) -> list[AlertEvent]:
+        """A predicate that turns ``fail`` (not while it stays failed): protected-atlas rewrite, base damage."""
+        out = []
+        for name, level, what in (("protected_rewrite", self.cfg.on_rewrite, "protected atlas rewritten"),
+                                  ("base_damage", self.cfg.on_base_damage, "base-domain damage")):
+            verdict = ((decision.get("predicates") or {}).get(name) or {}).get("verdict")
+            if verdict is None:
+                continue
+            if verdict == "fail" and self.last_verdicts.get(name) != "fail" and level != "off":
+                out.append(self._event(level, f"atlas: {what} at step {step}",
+                                       decision["predicates"][name]["reason"], f"predicate:{name}", step))
+            self.last_verdicts[name] = verdict
+        return out
+
     def _values(self, rule: AlertRule, record: dict[str, Any]) -> list[tuple[str, Any]]:
         if rule.scope == "summary":
             return [("summary", record.get(rule.metric))]
@@ -140,6 +159,7 @@ class AlertEngine:
     def evaluate(self, decision: dict[str, Any], record: dict[str, Any]) -> list[AlertEvent]:
         """Alerts for one gate, in order: stage events, then threshold rules."""
         step = int(decision["step"])
-        events = self._stage_events(decision, record) + self._rule_events(record, step)
+        events = (self._stage_events(decision, record) + self._predicate_events(decision, step)
+                  + self._rule_events(record, step))
         self.last_stage = decision.get("stage")
         return events

@@ -2,7 +2,8 @@
 
 A fix counts as real only if it improves the geometry at matched scalar quality. The judge reads
 both runs' histories (:func:`~atlas_tracking.artifacts.history.read_history`), pairs gates at matched loss,
-and applies the paper's four checks to the paired deltas (candidate minus stressed):
+and applies the paper's four checks to the paired deltas (candidate minus stressed), then a fifth on the
+losses themselves:
 
 1. ``state2``: C2 (the summary, mean over routed layers) improves by more than ``policy.c2_tol``
    (and, with paired CIs, the CI of the delta lies above 0).
@@ -10,15 +11,33 @@ and applies the paper's four checks to the paired deltas (candidate minus stress
    ``policy.dead_tol`` (two runs that both have no dead expert pass this axis: there is nothing to
    revive), min router entropy up by more than ``policy.entropy_tol`` nats, mean load CV (x100) down by
    more than ``policy.cv_tol``; with paired CIs each CI must also exclude 0 on the broadening side.
-3. ``not_state1_only``: the gain is carried by State2 or occupancy (check 1 or 2 passes), not by the
-   State1 margin alone; a widened margin with neither is named as a State1-only gain.
-4. ``persistence``: checks 1-3 pass together on each of the last ``policy.n_recover`` matched gates
-   (a single convenient checkpoint, or a recovery followed by a relapse, fails).
+   When the stressed run's occupancy stayed healthy (below) there is nothing to broaden: the check
+   reads ``not needed`` (a pass, with the reason) as long as the candidate does not narrow it, i.e. no
+   axis moves the other way by more than its tolerance (dead experts up by more than ``dead_tol``, min
+   entropy down by more than ``entropy_tol``, mean CV up by more than ``cv_tol``; with a paired CI, one
+   that excludes 0 on that side).
+3. ``not_state1_only``: the gain is carried by State2 or by an occupancy that broadened (a ``not
+   needed`` occupancy is no gain), not by the State1 margin alone; a widened margin with neither is named
+   as a State1-only gain.
+4. ``persistence``: checks 1-3 pass together at every candidate gate with a loss from the first matched
+   gate on, and there are at least ``policy.n_recover`` such gates (a single convenient checkpoint, or a
+   recovery followed by a relapse at any later gate, fails; the failing steps are named).
+5. ``scalar_quality``: the candidate reaches the stressed run's scalar quality: its best loss is at most
+   ``loss_tol`` above the stressed run's final loss (its last gate with a loss). A candidate that does not
+   gave the scalar win back: you do not get credit by simply failing the task.
 
 Checks 1-3 are read at the latest matched gate. Matching: every candidate gate with a loss is paired
 with the stressed gate of nearest loss (ties: the stressed gate nearest in step, then the earlier) when
 the two losses differ by at most ``loss_tol`` (absolute, in the loss's own unit); other candidate gates
-are left unpaired and listed. A stressed gate may be matched by several candidate gates.
+are left unpaired and listed. A stressed gate may be matched by several candidate gates. Persistence
+also reads the unpaired candidate gates after the first matched one, each against the stressed gate of
+nearest loss (same ties), or against the stressed run's final gate when the candidate's loss is below
+every stressed loss. Candidate gates without a loss are not read.
+
+Healthy stressed occupancy: the stressed run's gates that carry all three occupancy numbers (dead
+experts, min entropy, mean CV) are at least two, and none of them degraded from the first of them on any
+axis: dead experts at most ``dead_tol`` above it, min entropy at most ``entropy_tol`` below it, mean CV
+at most ``cv_tol`` above it. One such gate is no evidence either way, and is not healthy.
 
 Evidence: when both gates of a pair keep their receipts artifacts (``receipts/step_N.json`` whose
 sha256 matches the record) on the same canary layout and routed layers, each delta carries the paired
@@ -26,20 +45,32 @@ window-bootstrap 95% CI (docs/receipts.md#paired-deltas: the same window resampl
 re-derived from the per-window arrays); otherwise the evidence is the point deltas of the records, and
 the output says so.
 
-Verdict: ``real fix`` (all four checks pass), ``not yet`` (names the failing checks) or
+Verdict: ``real fix`` (all five checks pass), ``not yet`` (names the failing checks) or
 ``not comparable`` (says why: different canary fingerprints, no gate at matched loss, missing receipts
 fields). Records that carry no canary fingerprint at all (hand-written sequences such as the paper's
 tables) are compared as given, with that caveat stated; one side with a fingerprint and one without,
 or two different fingerprints, is not comparable.
 
+Beside the verdict, each candidate gets two more predicates: ``chart_preserving`` (checks 1 and 2 pass)
+and ``knowledge_expansive``, read on chart-preserving candidates only (None otherwise): ``yes`` when its
+final loss reaches the target (the stressed run's final loss, within ``loss_tol``), else ``not yet``.
+:func:`judge_many_records` judges several candidates against one stressed run and names, for a
+chart-preserving candidate short of the target, the broader candidates that reached it with a final
+loss lower than its own by more than ``loss_tol`` (``reached_by``).
+
 Example:
-    >>> stressed = [{"step": s, "loss": l, "c2": -0.03, "dead_experts": 285, "min_entropy": 2.3, "mean_cv": 190,
-    ...              "margin": 0.01} for s, l in [(500, 4.7), (1000, 4.5)]]
+    >>> stressed = [{"step": 0, "loss": None, "c2": 0.08, "dead_experts": 42, "min_entropy": 3.0, "mean_cv": 140}]
+    >>> stressed += [{"step": s, "loss": l, "c2": -0.03, "dead_experts": 285, "min_entropy": 2.3, "mean_cv": 190,
+    ...               "margin": 0.01} for s, l in [(500, 4.7), (1000, 4.5)]]
     >>> better = [{"step": s, "loss": l, "c2": 0.02, "dead_experts": 200, "min_entropy": 2.6, "mean_cv": 160,
     ...            "margin": 0.01} for s, l in [(500, 4.71), (1000, 4.52)]]
     >>> out = judge_records(stressed, better)
-    >>> out["verdict"], [c["passed"] for c in out["checks"]]
-    ('real fix', [True, True, True, True])
+    >>> out["verdict"], [(c["name"], c["passed"]) for c in out["checks"]]  # doctest: +NORMALIZE_WHITESPACE
+    ('real fix', [('state2', True), ('occupancy', True), ('not_state1_only', True), ('persistence', True),
+                  ('scalar_quality', True)])
+    >>> stuck = [dict(g, loss=4.7) for g in better]  # the same geometry, never below the stressed loss 4.7
+    >>> judge_records(stressed, stuck)["failing"]
+    ['scalar_quality']
 """
 
 from __future__ import annotations
@@ -63,12 +94,14 @@ REAL_FIX, NOT_YET, NOT_COMPARABLE = "real fix", "not yet", "not comparable"
 EXIT_CODES = {REAL_FIX: 0, NOT_YET: 1, NOT_COMPARABLE: 2}
 CHECKS = {
     "state2": "State2 (C2) improves materially",
-    "occupancy": "occupancy broadens (dead down, entropy up, CV down)",
+    "occupancy": "occupancy broadens (dead down, entropy up, CV down), or is not needed",
     "not_state1_only": "the gain is not carried by State1 alone",
-    "persistence": "the improvement persists across repeated gates",
+    "persistence": "the improvement persists at every gate from the first matched one",
+    "scalar_quality": "the candidate reaches the stressed run's scalar quality (its final loss)",
 }
 DELTAS = ("c2", "dead_experts", "min_entropy", "mean_cv", "margin")
 REQUIRED = ("c2", "dead_experts", "min_entropy", "mean_cv")
+OCCUPANCY = ("dead_experts", "min_entropy", "mean_cv")
 DEFAULT_LOSS_TOL = 0.05
 """Default matching tolerance: two gates are at matched loss when their losses differ by at most this."""
 
@@ -85,24 +118,73 @@ def _fingerprint(records: list[dict[str, Any]], name: str) -> tuple[str | None, 
     return prints.pop(), None
 
 
+def _with_loss(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if finite_number(r.get("loss")) is not None]
+
+
+def _nearest(pool: list[dict[str, Any]], c: dict[str, Any], lc: float) -> dict[str, Any]:
+    """The stressed gate of nearest loss to ``c`` (ties: nearest in step, then the earlier)."""
+    return min(pool, key=lambda s: (abs(float(s["loss"]) - lc), abs(s["step"] - c["step"]), s["step"]))
+
+
 def _pairs(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float):
-    """Candidate gates paired with the stressed gate of nearest loss, within ``loss_tol``; and the unpaired."""
-    pool = [s for s in stressed if finite_number(s.get("loss")) is not None]
-    pairs, unpaired = [], []
-    for c in candidate:
-        lc = finite_number(c.get("loss"))
-        if lc is None or not pool:
-            if lc is not None:
-                unpaired.append({"step": c["step"], "loss": lc, "why": "the stressed run has no gate with a loss"})
+    """Candidate gates paired with the stressed gate of nearest loss, within ``loss_tol``; the unpaired; and the
+    persistence trail: ``(stressed, candidate, matched)`` for every candidate gate with a loss from the first
+    matched one on, an unmatched gate read against the stressed gate of nearest loss (the stressed run's final
+    gate when its loss is below every stressed loss)."""
+    pool = _with_loss(stressed)
+    pairs, unpaired, trail = [], [], []
+    for c in _with_loss(candidate):
+        lc = float(c["loss"])
+        if not pool:
+            unpaired.append({"step": c["step"], "loss": lc, "why": "the stressed run has no gate with a loss",
+                             "against": None})
             continue
-        best = min(pool, key=lambda s: (abs(float(s["loss"]) - lc), abs(s["step"] - c["step"]), s["step"]))
+        best = _nearest(pool, c, lc)
         gap = abs(float(best["loss"]) - lc)
         if gap <= loss_tol:
             pairs.append((best, c))
-        else:
-            unpaired.append({"step": c["step"], "loss": lc, "why": f"nearest stressed loss {best['loss']} is "
-                             f"{gap:.4g} away (> {loss_tol})"})
-    return pairs, unpaired
+            trail.append((best, c, True))
+            continue
+        against = None
+        if trail:
+            against = pool[-1] if lc < min(float(s["loss"]) for s in pool) else best
+            trail.append((against, c, False))
+        unpaired.append({"step": c["step"], "loss": lc, "why": f"nearest stressed loss {best['loss']} is "
+                         f"{gap:.4g} away (> {loss_tol})", "against": None if against is None else against["step"]})
+    return pairs, unpaired, trail
+
+
+def stressed_occupancy(stressed: list[dict[str, Any]], config: AtlasConfig | None = None) -> dict[str, Any]:
+    """Whether the stressed run's occupancy stayed healthy (see the module docstring), and where it degraded.
+
+    >>> g = lambda s, dead: {"step": s, "dead_experts": dead, "min_entropy": 2.9, "mean_cv": 150}
+    >>> stressed_occupancy([g(0, 10), g(500, 10)])["healthy"], stressed_occupancy([g(0, 10), g(500, 12)])["degraded_at"]
+    (True, [500])
+    """
+    pol = (config or AtlasConfig()).policy
+    gates = [r for r in stressed if all(finite_number(r.get(k)) is not None for k in OCCUPANCY)]
+    out: dict[str, Any] = {"healthy": False, "reference_step": gates[0]["step"] if gates else None,
+                           "gates": len(gates), "degraded_at": [], "degraded": [], "note": None}
+    if len(gates) < 2:
+        out["note"] = (f"{len(gates)} stressed gate(s) carry dead experts, min entropy and mean CV: no evidence "
+                       "that the occupancy stayed healthy")
+        return out
+    ref = {k: float(gates[0][k]) for k in OCCUPANCY}
+    for r in gates[1:]:
+        worse = {"dead_experts": float(r["dead_experts"]) - ref["dead_experts"] > pol.dead_tol,
+                 "min_entropy": ref["min_entropy"] - float(r["min_entropy"]) > pol.entropy_tol,
+                 "mean_cv": float(r["mean_cv"]) - ref["mean_cv"] > pol.cv_tol}
+        axes = [k for k, bad in worse.items() if bad]
+        if axes:
+            out["degraded"].append({"step": r["step"], "axes": axes})
+    out["degraded_at"] = [d["step"] for d in out["degraded"]]
+    out["healthy"] = not out["degraded"]
+    out["note"] = (f"healthy: none of its {len(gates)} gates degraded from its first gate (step "
+                   f"{out['reference_step']}) by more than the tolerances" if out["healthy"] else
+                   f"degraded from its first gate (step {out['reference_step']}) at step(s) "
+                   + ", ".join(f"{d['step']} ({', '.join(d['axes'])})" for d in out["degraded"]))
+    return out
 
 
 # --- paired window-bootstrap CIs from the receipts artifacts -------------------------------------------
@@ -169,7 +251,9 @@ def _inside(ci: list[float] | None, side: str) -> bool:
     return ci[0] > 0 if side == "+" else ci[1] < 0
 
 
-def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]] | None, pol) -> dict[str, Any]:
+
+def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]] | None, pol,
+               healthy: bool, matched: bool = True) -> dict[str, Any]:
     d = {k: (None if finite_number(c.get(k)) is None or finite_number(s.get(k)) is None else float(c[k]) - float(s[k])) for k in DELTAS}
     ci = (cis or {}).get
     state2 = d["c2"] > pol.c2_tol and _inside(ci("c2"), "+")
@@ -179,39 +263,98 @@ def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]]
         "min_entropy": d["min_entropy"] > pol.entropy_tol and _inside(ci("min_entropy"), "+"),
         "mean_cv": d["mean_cv"] < -pol.cv_tol and _inside(ci("mean_cv"), "-"),
     }
-    occupancy = all(axes.values())
+    narrowed = [k for k, bad in (
+        ("dead_experts", d["dead_experts"] > pol.dead_tol and _inside(ci("dead_experts"), "+")),
+        ("min_entropy", d["min_entropy"] < -pol.entropy_tol and _inside(ci("min_entropy"), "-")),
+        ("mean_cv", d["mean_cv"] > pol.cv_tol and _inside(ci("mean_cv"), "+"))) if bad]
+    broadened = all(axes.values())
+    status = "passed" if broadened else "not needed" if healthy and not narrowed else "failed"
     return {
         "stressed_step": s["step"], "candidate_step": c["step"], "stressed_loss": finite_number(s.get("loss")),
-        "candidate_loss": finite_number(c.get("loss")), "deltas": d, "ci": cis,
+        "candidate_loss": finite_number(c.get("loss")), "matched": matched, "deltas": d, "ci": cis,
         "evidence": "paired window-bootstrap CIs" if cis else "point deltas",
-        "state2": state2, "occupancy": occupancy, "occupancy_axes": axes,
-        "margin_widened": d["margin"] is not None and d["margin"] > 0,
-        "not_state1_only": state2 or occupancy,
+        "state2": state2, "occupancy": status != "failed", "occupancy_status": status, "occupancy_axes": axes,
+        "occupancy_narrowed": narrowed, "margin_widened": d["margin"] is not None and d["margin"] > 0,
+        "not_state1_only": state2 or broadened,
     }
 
 
-def _checks(pairs: list[dict[str, Any]], n_persist: int) -> list[dict[str, Any]]:
+def _occupancy_note(p: dict[str, Any], healthy: dict[str, Any]) -> str | None:
+    if p["occupancy_status"] == "not needed":
+        return (f"not needed: the stressed run's occupancy stayed healthy (none of its {healthy['gates']} gates "
+                f"degraded from its first gate, step {healthy['reference_step']}, by more than the tolerances), so "
+                "there is nothing to broaden, and the candidate does not narrow it")
+    if healthy["healthy"] and p["occupancy_narrowed"]:
+        return ("the stressed run's occupancy stayed healthy, so broadening is not needed, but the candidate "
+                f"narrowed it ({', '.join(p['occupancy_narrowed'])})")
+    return None
+
+
+def _scalar(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float) -> dict[str, Any]:
+    final = _with_loss(stressed)[-1]
+    best = min(_with_loss(candidate), key=lambda c: (float(c["loss"]), c["step"]))
+    b, f = float(best["loss"]), float(final["loss"])
+    passed = b - f <= loss_tol
+    return {"name": "scalar_quality", "title": CHECKS["scalar_quality"], "passed": passed,
+            "candidate_best_loss": b, "candidate_best_step": best["step"], "stressed_final_loss": f,
+            "stressed_final_step": final["step"], "loss_tol": loss_tol,
+            "note": None if passed else (
+                f"the scalar win was given back: the candidate's best loss {b:.4g} (step {best['step']}) is "
+                f"{b - f:.4g} above the stressed run's final loss {f:.4g} (step {final['step']}), more than the "
+                f"tolerance {loss_tol}")}
+
+
+def _checks(pairs: list[dict[str, Any]], trail: list[dict[str, Any]], n_persist: int,
+            healthy: dict[str, Any], scalar: dict[str, Any]) -> list[dict[str, Any]]:
     last = pairs[-1]
     d = last["deltas"]
     ci = last["ci"] or {}
     at = {"stressed_step": last["stressed_step"], "candidate_step": last["candidate_step"], "evidence": last["evidence"]}
     state1 = ("only State1 moved: the margin widened while State2 and occupancy did not improve"
               if last["margin_widened"] and not last["not_state1_only"] else None)
-    tail = pairs[-n_persist:]
-    joint = [p["state2"] and p["occupancy"] and p["not_state1_only"] for p in tail]
+    joint = [p["state2"] and p["occupancy"] and p["not_state1_only"] for p in trail]
+    relapse = [p["candidate_step"] for p, ok in zip(trail, joint) if not ok]
+    notes = []
+    if relapse:
+        notes.append(f"checks 1-3 fail at candidate step(s) {', '.join(str(s) for s in relapse)}")
+    if len(trail) < n_persist:
+        notes.append(f"{len(trail)} gate(s) from the first matched gate; persistence needs {n_persist}")
     return [
         {"name": "state2", "title": CHECKS["state2"], "passed": last["state2"], **at,
          "c2_delta": d["c2"], "c2_delta_ci": ci.get("c2")},
         {"name": "occupancy", "title": CHECKS["occupancy"], "passed": last["occupancy"], **at,
-         "axes": last["occupancy_axes"],
-         **{f"{k}_delta": d[k] for k in ("dead_experts", "min_entropy", "mean_cv")},
-         **{f"{k}_delta_ci": ci.get(k) for k in ("dead_experts", "min_entropy", "mean_cv")}},
+         "status": last["occupancy_status"], "axes": last["occupancy_axes"], "narrowed": last["occupancy_narrowed"],
+         **{f"{k}_delta": d[k] for k in OCCUPANCY},
+         **{f"{k}_delta_ci": ci.get(k) for k in OCCUPANCY}, "note": _occupancy_note(last, healthy)},
         {"name": "not_state1_only", "title": CHECKS["not_state1_only"], "passed": last["not_state1_only"], **at,
          "margin_delta": d["margin"], "margin_delta_ci": ci.get("margin"), "note": state1},
-        {"name": "persistence", "title": CHECKS["persistence"], "passed": len(tail) >= n_persist and all(joint),
-         "required_gates": n_persist, "gates": [p["candidate_step"] for p in tail], "passed_at": joint,
-         "note": None if len(tail) >= n_persist else f"{len(tail)} matched gate(s); persistence needs {n_persist}"},
+        {"name": "persistence", "title": CHECKS["persistence"], "passed": len(trail) >= n_persist and not relapse,
+         "required_gates": n_persist, "gates": [p["candidate_step"] for p in trail], "passed_at": joint,
+         "against": [p["stressed_step"] for p in trail], "matched": [p["matched"] for p in trail],
+         "relapse_steps": relapse, "note": "; ".join(notes) or None},
+        scalar,
     ]
+
+
+def _knowledge(out: dict[str, Any], loss_tol: float) -> None:
+    """The chart-preserving and knowledge-expansive predicates of one judged candidate (in place)."""
+    checks = {c["name"]: c["passed"] for c in out["checks"]}
+    out["chart_preserving"] = bool(checks.get("state2") and checks.get("occupancy"))
+    target, final = out["target_loss"], out["final_loss"]
+    out["reaches_target"] = None if target is None or final is None else final - target <= loss_tol
+    if not out["checks"]:
+        out["knowledge_note"] = "not comparable: neither predicate is read"
+    elif not out["chart_preserving"]:
+        out["knowledge_note"] = ("not chart-preserving (state2 or occupancy does not pass): knowledge-expansive "
+                                 "is read on chart-preserving candidates only")
+    elif out["reaches_target"]:
+        out["knowledge_expansive"] = "yes"
+        out["knowledge_note"] = (f"chart-preserving and at the target: final loss {final:.4g} within {loss_tol} of "
+                                 f"the stressed run's final loss {target:.4g}")
+    else:
+        out["knowledge_expansive"] = "not yet"
+        out["knowledge_note"] = (f"chart-preserving, but its final loss {final:.4g} is more than {loss_tol} above "
+                                 f"the target (the stressed run's final loss {target:.4g})")
 
 
 def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], config: AtlasConfig | None = None,
@@ -221,38 +364,87 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
     if not loss_tol >= 0:
         raise JudgeError(f"loss tolerance must be >= 0, got {loss_tol!r}")
     pol = (config or AtlasConfig()).policy
+    final_s, final_c = _with_loss(stressed)[-1:], _with_loss(candidate)[-1:]
+    healthy = stressed_occupancy(stressed, config)
     out: dict[str, Any] = {"verdict": NOT_COMPARABLE, "reason": None, "failing": [], "checks": [], "pairs": [],
                            "unpaired": [], "loss_tol": loss_tol, "n_persist": pol.n_recover,
-                           "tolerances": {k: getattr(pol, k) for k in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol")}}
+                           "tolerances": {k: getattr(pol, k) for k in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol")},
+                           "stressed_occupancy": healthy,
+                           "target_loss": float(final_s[0]["loss"]) if final_s else None,
+                           "final_loss": float(final_c[0]["loss"]) if final_c else None,
+                           "chart_preserving": False, "reaches_target": None, "knowledge_expansive": None,
+                           "reached_by": [], "knowledge_note": None}
     fa, why_a = _fingerprint(stressed, "stressed")
     fb, why_b = _fingerprint(candidate, "candidate")
     out["canary_fingerprint"] = fb
     if why_a or why_b:
         out["reason"] = why_a or why_b
-        return jsonable(out)
+        return _done(out, loss_tol)
     if fa != fb:
         out["reason"] = (f"different canaries: stressed {fa or 'no fingerprint'}, candidate {fb or 'no fingerprint'} "
                          "(receipts are comparable only on the same canary)")
-        return jsonable(out)
+        return _done(out, loss_tol)
     if fa is None:
         out["caveat"] = "neither record carries a canary fingerprint: the runs are trusted to share one canary"
-    raw, out["unpaired"] = _pairs(stressed, candidate, loss_tol)
+    raw, out["unpaired"], trail = _pairs(stressed, candidate, loss_tol)
     if not raw:
         out["reason"] = f"no candidate gate is at matched loss (within {loss_tol}) with a stressed gate"
-        return jsonable(out)
-    for s, c in raw:
+        return _done(out, loss_tol)
+    for s, c, matched in trail:
         missing = [k for k in REQUIRED if finite_number(s.get(k)) is None or finite_number(c.get(k)) is None]
         if missing:
-            out["reason"] = f"matched gates {s['step']} / {c['step']} lack {', '.join(missing)}"
-            return jsonable(out)
-    cis = [_paired_cis(_artifact(stressed_dir, s), _artifact(candidate_dir, c)) for s, c in raw]
-    out["pairs"] = [_read_pair(s, c, ci, pol) for (s, c), ci in zip(raw, cis)]
+            out["reason"] = (f"matched gates {s['step']} / {c['step']} lack {', '.join(missing)}" if matched else
+                             f"candidate gate {c['step']} (read for persistence against stressed gate {s['step']}) "
+                             f"or that stressed gate lacks {', '.join(missing)}")
+            return _done(out, loss_tol)
+    cis = [_paired_cis(_artifact(stressed_dir, s), _artifact(candidate_dir, c)) for s, c, _ in trail]
+    rows = [_read_pair(s, c, ci, pol, healthy["healthy"], matched) for (s, c, matched), ci in zip(trail, cis)]
+    out["pairs"] = [r for r in rows if r["matched"]]
     out["evidence"] = ("paired window-bootstrap CIs" if all(cis) else
                        "point deltas" if not any(cis) else "paired CIs on some gates, point deltas on the others")
-    out["checks"] = _checks(out["pairs"], pol.n_recover)
+    out["checks"] = _checks(out["pairs"], rows, pol.n_recover, healthy, _scalar(stressed, candidate, loss_tol))
     out["failing"] = [c["name"] for c in out["checks"] if not c["passed"]]
     out["verdict"] = NOT_YET if out["failing"] else REAL_FIX
+    if "scalar_quality" in out["failing"]:
+        out["reason"] = out["checks"][-1]["note"]
+    return _done(out, loss_tol)
+
+
+def _done(out: dict[str, Any], loss_tol: float) -> dict[str, Any]:
+    _knowledge(out, loss_tol)
     return jsonable(out)
+
+
+def judge_many_records(stressed: list[dict[str, Any]], candidates: list[list[dict[str, Any]]],
+                       config: AtlasConfig | None = None, loss_tol: float = DEFAULT_LOSS_TOL,
+                       stressed_dir: Path | None = None, candidate_dirs: list[Path | None] | None = None,
+                       names: list[str] | None = None) -> dict[str, Any]:
+    """Several candidates judged against one stressed run, each as by :func:`judge_records` (with its ``name``),
+    and the knowledge-expansive predicate read across them: a chart-preserving candidate whose final loss is
+    short of the target is ``not yet`` and names in ``reached_by`` every other candidate whose final loss
+    reaches the target (within ``loss_tol`` of the stressed run's final loss) and is lower than its own by
+    more than ``loss_tol``. Returns ``target_loss``, ``loss_tol``, ``reached_target`` (the names) and
+    ``candidates`` (the results, in order)."""
+    names = list(names) if names is not None else [f"candidate {i + 1}" for i in range(len(candidates))]
+    dirs = list(candidate_dirs) if candidate_dirs is not None else [None] * len(candidates)
+    if not candidates or len(names) != len(candidates) or len(dirs) != len(candidates):
+        raise JudgeError(f"{len(candidates)} candidate(s), {len(names)} name(s), {len(dirs)} directory(ies): "
+                         "give at least one candidate, one name and one directory each")
+    if len(set(names)) != len(names):
+        raise JudgeError(f"candidate names must differ, got {names}")
+    results = [{"name": n, **judge_records(stressed, c, config, loss_tol, stressed_dir, d)}
+               for n, c, d in zip(names, candidates, dirs)]
+    reached = [r for r in results if r["reaches_target"]]
+    for r in results:
+        if r["knowledge_expansive"] != "not yet":
+            continue
+        r["reached_by"] = [o["name"] for o in reached if o is not r and o["final_loss"] < r["final_loss"] - loss_tol]
+        r["knowledge_note"] += ("; reached by " + ", ".join(
+            f"{o['name']} (final loss {o['final_loss']:.4g})" for o in reached if o["name"] in r["reached_by"])
+            if r["reached_by"] else "; no other candidate reaches it")
+    target = results[0]["target_loss"]
+    return jsonable({"target_loss": target, "loss_tol": loss_tol, "reached_target": [r["name"] for r in reached],
+                     "candidates": results})
 
 
 def _history(path: str | Path, name: str) -> tuple[list[dict[str, Any]], Path]:
@@ -268,12 +460,23 @@ def judge(stressed: str | Path, candidate: str | Path, config: AtlasConfig | Non
     """Judge a candidate run against a stressed run; each is a run's atlas directory or its ``gates.jsonl``.
 
     Returns ``verdict`` (``real fix`` | ``not yet`` | ``not comparable``), ``checks`` (one entry per check
-    with ``passed`` and its numbers), ``failing``, ``reason``, the matched ``pairs`` and ``evidence``.
-    Raises :class:`JudgeError` when a record cannot be read.
+    with ``passed`` and its numbers), ``failing``, ``reason``, the matched ``pairs`` and ``evidence``, and the
+    ``chart_preserving`` / ``knowledge_expansive`` predicates. Raises :class:`JudgeError` when a record cannot
+    be read.
     """
     a, dir_a = _history(stressed, "stressed")
     b, dir_b = _history(candidate, "candidate")
     return judge_records(a, b, config, loss_tol, dir_a, dir_b)
+
+
+def judge_many(stressed: str | Path, candidates: list[str | Path], config: AtlasConfig | None = None,
+               loss_tol: float = DEFAULT_LOSS_TOL) -> dict[str, Any]:
+    """Judge several candidate runs against one stressed run (:func:`judge_many_records`); each candidate is
+    named by its path as given."""
+    a, dir_a = _history(stressed, "stressed")
+    read = [_history(c, f"candidate {c}") for c in candidates]
+    return judge_many_records(a, [r for r, _ in read], config, loss_tol, dir_a, [d for _, d in read],
+                              [str(c) for c in candidates])
 
 
 # --- command line -------------------------------------------------------------------------------------
@@ -302,17 +505,35 @@ def table(result: dict[str, Any]) -> str:
         nums = {k: v for k, v in c.items() if k.endswith(("_delta", "_delta_ci"))}
         detail = " ".join(f"{k}={_fmt(v)}" for k, v in nums.items() if v is not None)
         if c["name"] == "persistence":
-            detail = f"gates {c['gates']} passed {c['passed_at']} (needs {c['required_gates']})"
+            detail = (f"gates {c['gates']} against stressed {c['against']} passed {c['passed_at']} "
+                      f"(needs {c['required_gates']})")
+        elif c["name"] == "scalar_quality":
+            detail = (f"best loss {c['candidate_best_loss']:.4g} (step {c['candidate_best_step']}) vs stressed final "
+                      f"loss {c['stressed_final_loss']:.4g} (step {c['stressed_final_step']}), tolerance {c['loss_tol']}")
+        note = c.get("note")
+        if c["name"] == "scalar_quality" and note:  # the note restates the numbers
+            detail, note = note, None
         mark = "PASS" if c["passed"] else "FAIL"
-        lines.append(f"  {mark}  {c['title']}: {detail}" + (f" ({c['note']})" if c.get("note") else ""))
+        lines.append(f"  {mark}  {c['title']}: {detail}" + (f" ({note})" if note else ""))
     for p in result["pairs"]:
         lines.append(f"  pair: stressed step {p['stressed_step']} (loss {p['stressed_loss']}) / candidate step "
                      f"{p['candidate_step']} (loss {p['candidate_loss']}): C2 {_fmt(p['deltas']['c2'])}, "
                      f"dead {_fmt(p['deltas']['dead_experts'])}, {p['evidence']}")
     for u in result["unpaired"]:
-        lines.append(f"  unpaired candidate step {u['step']} (loss {u['loss']}): {u['why']}")
+        lines.append(f"  unpaired candidate step {u['step']} (loss {u['loss']}): {u['why']}"
+                     + (f"; persistence reads it against stressed step {u['against']}" if u.get("against") is not None
+                        else ""))
+    if result["checks"]:
+        lines.append(f"chart-preserving: {'yes' if result['chart_preserving'] else 'no'}; knowledge-expansive: "
+                     f"{result['knowledge_expansive'] or '-'} ({result['knowledge_note']})")
     return "\n".join(lines)
 
 
-
-
+def many_table(result: dict[str, Any]) -> str:
+    """The readable verdicts of several candidates (:func:`judge_many_records`), one block each."""
+    target = "-" if result["target_loss"] is None else f"{result['target_loss']:.4g}"
+    lines = [f"target loss {target} (the stressed run's final loss, within {result['loss_tol']}); reached by: "
+             + (", ".join(result["reached_target"]) or "none")]
+    for r in result["candidates"]:
+        lines += ["", f"== candidate {r['name']}", table(r)]
+    return "\n".join(lines)

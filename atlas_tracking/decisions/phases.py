@@ -92,6 +92,48 @@ def v2_c1_failures(layers: Sequence[dict[str, Any]]) -> list[str] | None:
     return [str(lay.get("name") or lay.get("ordinal")) for lay in rows if not lay["v2_c1_pass"]]
 
 
+def readiness_floor(layers: Sequence[dict[str, Any]], dead_fraction: float, effective_fraction: float) -> list[str]:
+    """Routed layers below the occupancy floor of handoff readiness: more than ``dead_fraction`` of the experts
+    dead, or fewer effective experts ``exp(router_entropy)`` than ``effective_fraction`` of the experts.
+
+    Stricter than the collapse floors: a layer with 20 of 32 experts dead has not collapsed, but an atlas that
+    uses 12 of 32 experts is not ready to hand off.
+
+    >>> readiness_floor([{"name": "l1", "num_experts": 32, "dead_experts": 20, "router_entropy": 2.4}], 0.25, 0.5)
+    ['l1: 20 of 32 experts dead (more than 0.25 of them)', 'l1: effective experts exp(H) = 11.02 < 0.5 x 32 experts']
+    """
+    out = []
+    for lay in layers:
+        name = lay.get("name") or f"layer {lay.get('ordinal')}"
+        n, dead, h = lay.get("num_experts"), lay.get("dead_experts"), lay.get("router_entropy")
+        if not isinstance(n, int):
+            continue
+        if isinstance(dead, (int, float)) and dead > dead_fraction * n:
+            out.append(f"{name}: {dead:g} of {n} experts dead (more than {dead_fraction:g} of them)")
+        if isinstance(h, (int, float)) and math.exp(h) < effective_fraction * n:
+            out.append(f"{name}: effective experts exp(H) = {math.exp(h):.2f} < {effective_fraction:g} x {n} experts")
+    return out
+
+
+def handoff_margin_reason(reference: str | None, margin: float | None, inside_gates: int, n: int) -> str | None:
+    """Why the handoff margin does not license handoff yet (None: it does): no declared healthy reference, or
+    fewer than ``n`` consecutive gates with ``handoff_margin >= 0`` against it.
+
+    >>> handoff_margin_reason(None, 0.01, 0, 2)
+    'readiness: stability only (no healthy reference declared; set lifecycle.handoff_reference)'
+    >>> handoff_margin_reason("ref.json", -0.03, 0, 2)
+    'handoff margin -0.0300 against ref.json: 0 of 2 consecutive gates >= 0'
+    >>> handoff_margin_reason("ref.json", 0.01, 2, 2) is None
+    True
+    """
+    if reference is None:
+        return "readiness: stability only (no healthy reference declared; set lifecycle.handoff_reference)"
+    if inside_gates >= n:
+        return None
+    shown = "n/a" if margin is None else f"{margin:+.4f}"
+    return f"handoff margin {shown} against {reference}: {inside_gates} of {n} consecutive gates >= 0"
+
+
 def readiness_reasons(
     *,
     stable_gates: int,
@@ -101,6 +143,7 @@ def readiness_reasons(
     collapse: Sequence[str],
     c2_falling: str | None,
     v2_failing: list[str] | None,
+    below_floor: Sequence[str] = (),
 ) -> list[str]:
     """Why handoff is not licensed yet (empty: ready). Table 10's first row, one clause per reason."""
     reasons = []
@@ -109,6 +152,8 @@ def readiness_reasons(
         reasons.append(f"atlas not yet stable: {stable_gates} of {n_stable} consecutive stable gates{why}")
     if collapse:
         reasons.append("occupancy collapse: " + "; ".join(collapse))
+    elif below_floor:
+        reasons.append("occupancy below the readiness floor: " + "; ".join(below_floor))
     if c2_falling:
         reasons.append(c2_falling)
     if v2_failing is None:

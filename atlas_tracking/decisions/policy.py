@@ -30,10 +30,13 @@ from atlas_tracking.decisions.phases import (
     PHASES,
     collapse_reasons,
     detect_phase,
+    handoff_margin_reason,
     moved,
+    readiness_floor,
     readiness_reasons,
     v2_c1_failures,
 )
+from atlas_tracking.decisions.predicates import INPUTS, read_predicates
 from atlas_tracking.schema.config import AtlasConfig, PolicyConfig
 from atlas_tracking.schema.record import DELTA_FIELDS, GateDecision, Phase, Stage, Status
 
@@ -51,6 +54,8 @@ ACTIONS = {
     Stage.forming: "Keep pretraining with gates on schedule: the atlas is still forming and handoff is not yet licensed.",
     Stage.ready: "Handoff is licensed on this canary: hand off when the objective is where you want it too (resume with "
     "policy.phase: post_training; the resume gate becomes the post-training baseline).",
+    Stage.stable: "Keep pretraining, or declare a healthy reference (lifecycle.handoff_reference) to read readiness: "
+    "the atlas is stable gate to gate, but stability alone does not license handoff.",
     Stage.collapse: "Restore balanced routing before spending more compute: routing has collapsed onto a few experts.",
 }
 """Operator action per stage (docs/policy.md#actions-per-stage)."""
@@ -63,10 +68,37 @@ INTERPRETATIONS = {
     ("worsening", "healthy", "improving"): "Atlas motion is visible without occupancy collapse; the question is which "
     "layers are moving and whether that motion is acceptable for the current stage.",
     ("worsening", "degrading", "improving"): "Scalar improvement without geometric recovery. Objective progress is "
-    "licensed; structural health is not. Escalate.",
-    ("worsening", "degrading", "stalling"): "Both the scalar and structural stories are bad. Intervene or reset.",
+    "licensed; structural health is not.",
+    ("worsening", "degrading", "stalling"): "Both the scalar and structural stories are bad.",
 }
-"""Table 11 rows keyed by (C2 trend, occupancy, loss)."""
+"""Table 11 rows keyed by (C2 trend, occupancy, loss), without their last words: what to do is the stage's
+(:data:`ESCALATION`), so the interpretation and the action never contradict."""
+
+ESCALATION = {
+    Stage.revoked: "Table 13 asks for two further worse gates before intervening: revoke claims now and collect the "
+    "next gate.",
+    Stage.alert: "Stay on alert; intervene only if two further gates are worse with the same occupancy pathology.",
+    Stage.prepare: "Escalate: one further worse gate with the same occupancy pathology means intervene.",
+    Stage.intervene: "Intervene or reset.",
+}
+"""What the worsening rows of Table 11 ("Escalate.", "Intervene or reset.") mean at each stage of Table 13."""
+
+RULES = {
+    "first_bad": "Table 13 row 1: first bad gate after a clean baseline",
+    "rebound": "Table 13 row 2: one encouraging rebound without occupancy repair",
+    "plateau": "Table 11 row 2: a persistent bad plateau (not worse, not repaired): investigate",
+    "worse_once": "Table 13 row 3: a worse gate with the same occupancy pathology (the first of two)",
+    "worse_twice": "Table 13 row 3: two subsequent worse gates with the same occupancy pathology",
+    "motion": "Table 11 row 3: C2 motion without the same occupancy pathology never escalates on its own",
+    "recovering": "Table 14 row 5: C2 and occupancy recovering jointly; repeated gates before declaring recovery",
+    "recovered": "Table 14 row 5: repeated jointly recovering gates",
+    "relapse": "Table 13 row 1: a bad gate during recovery revokes the claims again",
+    "clean": "Table 11 row 1: C2 and occupancy jointly healthy",
+    "resume": "Table 13 row 4: resume checkpoint with only a new baseline measurement",
+    "baseline": "Table 13 row 4: a new baseline; wait for the first post-baseline gate",
+    "pretraining": "Table 10 row 1: is pretraining done enough to hand off?",
+}
+"""The table row each stage transition follows (the record's ``rule``)."""
 
 INTERVENTIONS = {
     "overlap_and_occupancy": "Endpoint/adaptor regularization or router-prior control at matched scalar success. "
@@ -105,6 +137,8 @@ class GateSummary:
     canary_nll: float | None = None
     vocab_size: int | None = None
     handoff_margin: float | None = None
+    handoff_reference: str | None = None
+    """The declared healthy reference the handoff margin reads against (None: the baseline)."""
     phase: str | None = None
     """The phase a record states (replays honour it at baseline gates when policy.phase is auto)."""
     c2_delta_ci: tuple[float, float] | None = None
@@ -112,6 +146,8 @@ class GateSummary:
     min_entropy_delta_ci: tuple[float, float] | None = None
     mean_cv_delta_ci: tuple[float, float] | None = None
     layers: list[dict[str, Any]] = field(default_factory=list)
+    damage: dict[str, Any] = field(default_factory=dict)
+    """What the three predicates read (refinement margin and base damage since the base; :data:`INPUTS`)."""
 
     REQUIRED = ("step", "c2", "dead_experts", "min_entropy", "mean_cv")
     CI_FIELDS = tuple(key for key in DELTA_FIELDS if key.endswith("_ci"))
@@ -153,12 +189,16 @@ class GateSummary:
         if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
             raise PolicyInputError("field 'layers' must be a list of objects")
         num, vocab, phase = data.get("num_experts"), data.get("vocab_size"), data.get("phase")
+        reference = data.get("handoff_reference")
+        if reference is not None and not isinstance(reference, str):
+            raise PolicyInputError(f"field 'handoff_reference' must be a string, got {reference!r}")
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
             raise PolicyInputError(f"field 'vocab_size' must be an integer >= 2, got {vocab!r}")
         if phase is not None and phase not in PHASES:
             raise PolicyInputError(f"field 'phase' must be one of {', '.join(PHASES)}, got {phase!r}")
         return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
-                   vocab_size=vocab, phase=phase, **values, **cis)
+                   vocab_size=vocab, phase=phase, handoff_reference=reference,
+                   damage={k: data[k] for k in INPUTS if data.get(k) is not None}, **values, **cis)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -185,6 +225,8 @@ class GatePolicy:
         self.stage: str | None = None
         self.recover_count = 0
         self.stable_count = 0
+        self.margin_count = 0
+        """Pretraining: consecutive gates with the handoff margin >= 0 against a declared reference."""
         self.phase: str | None = None
         self.phase_source = ""
         self.baseline: dict[str, Any] | None = None
@@ -196,6 +238,7 @@ class GatePolicy:
             "stage": self.stage,
             "recover_count": self.recover_count,
             "stable_count": self.stable_count,
+            "margin_count": self.margin_count,
             "phase": self.phase,
             "phase_source": self.phase_source,
             "baseline": self.baseline,
@@ -206,6 +249,7 @@ class GatePolicy:
         self.stage = state.get("stage")
         self.recover_count = int(state.get("recover_count", 0))
         self.stable_count = int(state.get("stable_count", 0))
+        self.margin_count = int(state.get("margin_count", 0))
         self.phase = state.get("phase")
         self.phase_source = state.get("phase_source", "")
         self.baseline = state.get("baseline")
@@ -312,36 +356,66 @@ class GatePolicy:
         # Table 13: "the same occupancy pathology" is occupancy degrading at this gate and the one before;
         # C2 worsening with healthy occupancy (Table 11, third row) never escalates on its own.
         same_pathology = occupancy == "degrading" and prev.get("occupancy", occupancy) == "degrading"
-        stage = self._next_stage(status, joint_recovery, rebound, same_pathology)
+        stage, rule = self._next_stage(status, joint_recovery, rebound, self._worse(g, prev), same_pathology)
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
-            action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend),
+            action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend, stage),
             licensed=_licensed(g, c2_trend, occupancy, loss_trend, stage),
             unlicensed=_unlicensed(c2_trend, occupancy, stage),
             intervention=_intervention(c2_trend, occupancy, loss_trend, stage, rebound, repaired, g, prev),
             worst_layers=_worst_layers(g, ref), phase=Phase.post_training, phase_source=self.phase_source,
+            rule=RULES[rule], predicates=read_predicates(g.damage, self.cfg),
         )
         self._remember(g, status, stage, occupancy)
         return decision
 
-    def _next_stage(self, status: Status, joint_recovery: bool, rebound: bool, same_pathology: bool) -> Stage:
+    def _worse(self, g: GateSummary, prev: dict[str, Any]) -> list[str]:
+        """What makes this gate worse than the previous one (empty: not worse): C2 below the previous gate's by
+        more than ``c2_tol``, or an occupancy proxy worse than the previous gate's by more than its tolerance.
+
+        >>> p = GatePolicy()
+        >>> prev = {"c2": -0.020, "dead_experts": 285, "min_entropy": 2.32, "mean_cv": 190}
+        >>> p._worse(GateSummary(1500, -0.042, 300, 2.25, 194), prev)
+        ['C2 -0.0200 -> -0.0420', 'dead experts 285 -> 300', 'min entropy 2.320 -> 2.250']
+        >>> p._worse(GateSummary(1500, -0.022, 285, 2.32, 190), prev)
+        []
+        """
+        c = self.cfg
+        out = []
+        if g.c2 < prev["c2"] - c.c2_tol:
+            out.append(f"C2 {prev['c2']:+.4f} -> {g.c2:+.4f}")
+        if g.dead_experts > prev["dead_experts"] + c.dead_tol:
+            out.append(f"dead experts {prev['dead_experts']:g} -> {g.dead_experts:g}")
+        if g.min_entropy < prev["min_entropy"] - c.entropy_tol:
+            out.append(f"min entropy {prev['min_entropy']:.3f} -> {g.min_entropy:.3f}")
+        if g.mean_cv > prev["mean_cv"] + c.cv_tol:
+            out.append(f"mean CV {prev['mean_cv']:.1f} -> {g.mean_cv:.1f}")
+        return out
+
+    def _next_stage(self, status: Status, joint_recovery: bool, rebound: bool, worse: list[str],
+                    same_pathology: bool) -> tuple[Stage, str]:
+        """The next stage of Table 13 and the key of the rule (:data:`RULES`) that moved it."""
         stage = Stage(self.stage)
         if stage in (Stage.baseline, Stage.clean):
             self.recover_count = 0
-            return Stage.clean if status == Status.GREEN else Stage.revoked
+            return (Stage.clean, "clean") if status == Status.GREEN else (Stage.revoked, "first_bad")
         if joint_recovery:
             self.recover_count += 1
-            return Stage.clean if self.recover_count >= self.cfg.n_recover else Stage.recovering
+            if self.recover_count >= self.cfg.n_recover:
+                return Stage.clean, "recovered"
+            return Stage.recovering, "recovering"
         self.recover_count = 0
         if stage == Stage.recovering:
-            return Stage.revoked
-        if stage in (Stage.revoked, Stage.alert):
-            if rebound:
-                return Stage.alert
-            return Stage.prepare if same_pathology else stage
-        if stage == Stage.prepare:
-            return Stage.intervene if same_pathology and not rebound else Stage.prepare
-        return Stage.intervene
+            return Stage.revoked, "relapse"
+        if stage == Stage.intervene:
+            return Stage.intervene, "worse_twice"
+        if rebound:
+            return (stage if stage == Stage.prepare else Stage.alert), "rebound"
+        if worse and same_pathology:
+            return (Stage.intervene, "worse_twice") if stage == Stage.prepare else (Stage.prepare, "worse_once")
+        if same_pathology:
+            return (stage if stage == Stage.prepare else Stage.alert), "plateau"
+        return stage, "motion"
 
     def _read_pretraining(self, g: GateSummary) -> GateDecision:
         """Table 10's first question against the previous gate: is the atlas stable, broad and not fragile?"""
@@ -368,11 +442,27 @@ class GatePolicy:
             falling = f"C2 falling since step {ref['step']} ({g.c2 - ref['c2']:+.4f})"
         reasons = readiness_reasons(stable_gates=self.stable_count, n_stable=c.n_stable, moved_now=moved_now,
                                     ref_step=ref["step"], collapse=collapse, c2_falling=falling,
-                                    v2_failing=v2_c1_failures(g.layers))
-        stage = Stage.collapse if collapse else (Stage.forming if reasons else Stage.ready)
+                                    v2_failing=v2_c1_failures(g.layers),
+                                    below_floor=readiness_floor(g.layers, c.ready_dead_fraction,
+                                                                c.ready_effective_fraction))
+        declared = g.handoff_reference is not None
+        inside = declared and g.handoff_margin is not None and g.handoff_margin >= 0
+        self.margin_count = self.margin_count + 1 if inside else 0
+        margin_reason = handoff_margin_reason(g.handoff_reference, g.handoff_margin, self.margin_count, c.n_stable)
+        if collapse:
+            stage = Stage.collapse
+        elif reasons:
+            stage = Stage.forming
+        elif margin_reason is None:
+            stage = Stage.ready
+        else:
+            stage = Stage.stable if not declared else Stage.forming
+        reasons += [margin_reason] if margin_reason else []
         status = Status.YELLOW if collapse else Status.GREEN
         handoff = {"ready": not reasons, "stable_gates": self.stable_count, "n_stable": c.n_stable,
-                   "margin": g.handoff_margin, "reference_step": ref["step"], "reasons": reasons}
+                   "margin": g.handoff_margin, "margin_gates": self.margin_count,
+                   "reference": g.handoff_reference, "basis": _readiness_basis(g.handoff_reference, c.n_stable),
+                   "reference_step": ref["step"], "reasons": reasons}
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
             action=ACTIONS[stage], interpretation=_pretraining_interpretation(stage, collapse, c.n_stable),
@@ -380,7 +470,7 @@ class GatePolicy:
             unlicensed=_pretraining_unlicensed(reasons),
             intervention=INTERVENTIONS["collapse"] if collapse else None,
             worst_layers=_worst_layers(g, ref), phase=Phase.pretraining, phase_source=self.phase_source,
-            handoff=handoff, collapse=collapse,
+            handoff=handoff, collapse=collapse, rule=RULES["pretraining"],
         )
         self.baseline = _reference(g)
         self._remember(g, status, stage, occupancy)
@@ -398,10 +488,13 @@ class GatePolicy:
         licensed = ["This is the state of the atlas at this step (a new reference point)."]
         if g.resume:
             licensed.append("Operational recovery: the resumed run is measurable.")
+        self.margin_count = 0
         handoff = None
         if self.phase == Phase.pretraining:
             handoff = {"ready": False, "stable_gates": 0, "n_stable": self.cfg.n_stable, "margin": None,
-                       "reference_step": None, "reasons": ["a new reference: no earlier gate to compare with yet"]}
+                       "margin_gates": 0, "reference": g.handoff_reference,
+                       "basis": _readiness_basis(g.handoff_reference, self.cfg.n_stable), "reference_step": None,
+                       "reasons": ["a new reference: no earlier gate to compare with yet"]}
         return GateDecision(
             step=g.step, status=Status.BASELINE, stage=Stage.baseline, c2_trend="stable", occupancy="healthy",
             loss_trend="unknown", action=ACTIONS[Stage.baseline],
@@ -412,6 +505,7 @@ class GatePolicy:
             intervention=INTERVENTIONS["resume"] if g.resume else None,
             stage_before_resume=before, phase=self.phase, phase_source=self.phase_source,
             phase_before_resume=phase_before if phase_before not in (None, self.phase) else None, handoff=handoff,
+            rule=RULES["resume" if g.resume else "baseline"],
         )
 
     def _remember(self, g: GateSummary, status: Status, stage: Stage, occupancy: str) -> None:
@@ -455,13 +549,25 @@ def _protected_c2(ref: dict[str, Any], layers: list[dict[str, Any]]) -> float | 
     return float(sum(values) / len(values))
 
 
+def _readiness_basis(reference: str | None, n: int) -> str:
+    """What a pretraining gate's readiness verdict rests on (docs/policy.md#handoff-readiness)."""
+    if reference is None:
+        return "stability only (no healthy reference declared)"
+    return f"handoff margin >= 0 against the declared reference {reference} at {n} consecutive gates, with stability"
+
+
 def _pretraining_interpretation(stage: str, collapse: list[str], n_stable: int) -> str:
     if stage == Stage.collapse:
         return ("Occupancy collapse during pretraining (" + "; ".join(collapse) + "): routing concentrates on a few "
                 "experts, and an atlas cannot form around dead experts.")
     if stage == Stage.ready:
-        return (f"Stable baseline for {n_stable} gates, healthy occupancy, and protected-layer overlaps that are not "
-                "fragile: Table 10's handoff criteria hold on this canary.")
+        return (f"Stable baseline for {n_stable} gates, healthy occupancy, protected-layer overlaps that are not "
+                "fragile, and the handoff margin inside the boundary against the declared healthy reference: "
+                "Table 10's handoff criteria hold on this canary.")
+    if stage == Stage.stable:
+        return (f"Stable for {n_stable} gates with healthy occupancy, but readiness rests on stability only (no "
+                "healthy reference declared): the handoff margin has nothing healthy to read against, so handoff "
+                "is not licensed.")
     return ("The atlas is forming: each gate is read against the previous one; preservation verdicts and escalation "
             "are off in pretraining, and the question is whether handoff is licensed yet.")
 
@@ -474,7 +580,7 @@ def _pretraining_licensed(loss: str, stage: str) -> list[str]:
         out.append("No occupancy collapse: every routed layer stays above the collapse floors (occupancy).")
     if stage == Stage.ready:
         out.append("Handoff readiness on this canary (Table 10): stable atlas, healthy occupancy, protected-layer "
-                   "overlaps not fragile.")
+                   "overlaps not fragile, handoff margin >= 0 against the declared healthy reference.")
     return out
 
 
@@ -486,15 +592,20 @@ def _pretraining_unlicensed(reasons: list[str]) -> list[str]:
     return out
 
 
-def _interpretation(c2_trend: str, occupancy: str, loss: str) -> str:
+def _interpretation(c2_trend: str, occupancy: str, loss: str, stage: Stage) -> str:
+    """Table 11's row for the pattern, then what its worsening rows mean at this stage (:data:`ESCALATION`)."""
     c2_key = "worsening" if c2_trend == "worsening" else "ok"
     loss_key = "stalling" if loss == "stalling" else "improving"
     if (c2_key, occupancy, loss_key) in INTERPRETATIONS:
-        return INTERPRETATIONS[(c2_key, occupancy, loss_key)]
-    if loss_key == "stalling":
+        text = INTERPRETATIONS[(c2_key, occupancy, loss_key)]
+    elif loss_key == "stalling":
         return ("The objective is stalling; structure is not yet failing on both axes. Watch the next gate "
                 "before attributing the stall to the atlas.")
-    return INTERPRETATIONS[(c2_key, occupancy, "improving")]
+    else:
+        text = INTERPRETATIONS[(c2_key, occupancy, "improving")]
+    if c2_key == "worsening" and occupancy == "degrading" and stage in ESCALATION:
+        text += " " + ESCALATION[stage]
+    return text
 
 
 def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: str) -> list[str]:

@@ -133,6 +133,8 @@ class AnchorBatch:
     routing: Routing
     experts: torch.Tensor
     collect: bool
+    target: str = ""
+    """Drift only: which reference it reads, ``""`` the baseline or ``"base."`` the post-training base."""
     """True: anchors of the baseline being collected; False: the baseline's anchors, for drift."""
 
 
@@ -180,17 +182,18 @@ class LayerAccumulator:
         self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
-        self.drift_sums: torch.Tensor | None = None
-        self.drift_counts: torch.Tensor | None = None
+        self.drift: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per reference (``""`` the baseline, ``"base."`` the post-training base): ``[4, W]`` per-window sums of
+        the drift functionals over anchors (``DRIFT_RECEIPTS`` order) and ``[6, W]`` counts (anchors counted per
+        functional, then ``_DRIFTCOUNTERS``)."""
 
-    def enable_drift(self) -> None:
+    def enable_drift(self, target: str = "") -> None:
         w, d = self.n_windows, self.device
-        self.drift_sums = torch.zeros(len(DRIFT_RECEIPTS), w, dtype=torch.float32, device=d)
-        """``[4, W]`` per-window sums of the drift functionals over anchors, in ``DRIFT_RECEIPTS`` order."""
-        self.drift_counts = torch.zeros(len(DRIFT_RECEIPTS) + len(_DRIFTCOUNTERS), w, dtype=torch.int64, device=d)
-        """``[6, W]``: anchors counted per functional, then ``_DRIFTCOUNTERS``."""
-        self.sum_names += [name + ".sum" for name in DRIFT_RECEIPTS]
-        self.count_names += [*(name + ".count" for name in DRIFT_RECEIPTS), *_DRIFTCOUNTERS]
+        self.drift[target] = (torch.zeros(len(DRIFT_RECEIPTS), w, dtype=torch.float32, device=d),
+                              torch.zeros(len(DRIFT_RECEIPTS) + len(_DRIFTCOUNTERS), w, dtype=torch.int64, device=d))
+        self.sum_names += [target + name + ".sum" for name in DRIFT_RECEIPTS]
+        self.count_names += [*(target + name + ".count" for name in DRIFT_RECEIPTS),
+                             *(target + name for name in _DRIFTCOUNTERS)]
 
     def add_cells(self, active: torch.Tensor) -> None:
         """Keep this micro-batch's active-set keys; they are counted once, at the end of the gate."""
@@ -199,9 +202,8 @@ class LayerAccumulator:
     def to_host(self) -> dict[str, Any]:
         """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
-        stacks = [self.sums, self.counts]
-        if self.drift_sums is not None:
-            stacks = [torch.cat([self.sums, self.drift_sums]), torch.cat([self.counts, self.drift_counts])]
+        stacks = [torch.cat([self.sums, *(d[0] for d in self.drift.values())]),
+                  torch.cat([self.counts, *(d[1] for d in self.drift.values())])]
         for names, stack in zip((self.sum_names, self.count_names), stacks):
             host.update(zip(names, stack.cpu().numpy()))
         merged: dict[tuple[int, ...], int] = {}
@@ -224,19 +226,22 @@ class LayerCapture:
         anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
         collect: bool = False,
         base: dict[str, torch.Tensor] | None = None,
+        post_base: dict[str, torch.Tensor] | None = None,
     ):
         self.layer = layer
         self.acc = acc
         self.cfg = config
         self.anchor_slices = anchor_slices
         self.collect = collect
-        self.base = base
+        self.references = {"": base, "base.": post_base}
+        """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
         self.evaluator: FieldEvaluator = field_evaluator(layer)
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.gamma0: torch.Tensor | None = None
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
-        if base is not None:
-            acc.enable_drift()
+        for target, tensors in self.references.items():
+            if tensors is not None:
+                acc.enable_drift(target)
         self.batch = MicroBatch(0, 0, 0)
         self._x: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
@@ -384,7 +389,8 @@ class LayerCapture:
 
     def anchor_batches(self, x2: torch.Tensor, dtype: torch.dtype) -> list[AnchorBatch]:
         """The anchors this micro-batch holds, for the baseline being collected and for drift (in that order)."""
-        if self.anchor_slices is None or not self.batch.keep or not (self.collect or self.base is not None):
+        drifts = [(t, ref) for t, ref in self.references.items() if ref is not None]
+        if self.anchor_slices is None or not self.batch.keep or not (self.collect or drifts):
             return []
         a0, a1, loc = self.anchor_slices[(self.batch.start, self.batch.end)]
         if a1 <= a0:
@@ -395,10 +401,10 @@ class LayerCapture:
             g = (gamma * z).to(dtype)
             routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
-        if self.base is not None:
-            z0 = self.base["z0"][a0:a1]
+        for target, ref in drifts:
+            z0 = ref["z0"][a0:a1]
             g = (gamma * z0).to(dtype)
-            out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), self.base["R0"][a0:a1], collect=False))
+            out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), ref["R0"][a0:a1], collect=False, target=target))
         return out
 
     def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> list[torch.Tensor]:
@@ -534,7 +540,7 @@ class LayerCapture:
         }))
 
     def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor) -> None:
-        base = {key: v[a.a0 : a.a0 + len(a.loc)] for key, v in self.base.items()}
+        base = {key: v[a.a0 : a.a0 + len(a.loc)] for key, v in self.references[a.target].items()}
         u0 = base["u0"]
         u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
         changed = active_set_change(base["R0"], a.routing.active)
@@ -547,8 +553,9 @@ class LayerCapture:
         win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.batch.start
         moved = (changed > 0).long()
         counts = torch.stack([*(torch.ones_like(moved),) * len(DRIFT_RECEIPTS), moved, moved * base["b0"].long()])
-        self.acc.drift_sums.index_add_(1, win, values)
-        self.acc.drift_counts.index_add_(1, win, counts)
+        sums, totals = self.acc.drift[a.target]
+        sums.index_add_(1, win, values)
+        totals.index_add_(1, win, counts)
 
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
@@ -584,9 +591,11 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
         pw[name] = {"sum": host[name + ".sum"], "count": host[name + ".count"]}
     for name in COUNTERS:
         pw[name] = host[name]
-    if DRIFT_RECEIPTS[0] + ".sum" in host:
-        pw["drift"] = {name: {"sum": host[name + ".sum"], "count": host[name + ".count"]} for name in DRIFT_RECEIPTS}
-        pw["drift"].update({name: host[name] for name in _DRIFTCOUNTERS})
+    for target, key in (("", "drift"), ("base.", "drift_base")):
+        if target + DRIFT_RECEIPTS[0] + ".sum" in host:
+            pw[key] = {name: {"sum": host[target + name + ".sum"], "count": host[target + name + ".count"]}
+                       for name in DRIFT_RECEIPTS}
+            pw[key].update({name: host[target + name] for name in _DRIFTCOUNTERS})
     return pw
 
 

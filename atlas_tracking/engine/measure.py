@@ -167,12 +167,14 @@ def measure_partial(
     anchors: AnchorPlan | None = None,
     collect: bool = False,
     baseline: Any = None,
+    post_base: Any = None,
 ) -> dict[str, Any]:
     """This rank's share of a gate: per-window host arrays for the windows it owns.
 
     With ``collect`` the anchor tensors a baseline needs are kept (and the base top-K
     log-probabilities, ``receipts.kl_top_k`` of them per predicted token); with a ``baseline`` the
-    drift receipts are computed in the same hooks, and ``kl_base`` on the logits.
+    drift receipts are computed in the same hooks, and ``kl_base`` on the logits; with a post-training
+    base ``post_base`` (another baseline) the KL against the base's log-probabilities too (``kl_cumulative``).
     """
     rcfg = config.receipts
     device = _model_device(model)
@@ -180,15 +182,21 @@ def measure_partial(
     kept = [(b.start, b.end) for b in batches if b.keep]
     captures = []
     slices = anchors.device_slices(kept, device) if anchors is not None else None
+    # drift since the base needs the base's anchors at the baseline's positions (the same receipts.anchors and seed)
+    same_anchors = post_base is not None and anchors is not None and np.array_equal(post_base.positions,
+                                                                                     anchors.positions)
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_tensors(i, device) if baseline is not None else None
-        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base))
+        since = post_base.layer_tensors(i, device) if post_base is not None and same_anchors else None
+        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base, since))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     kl_k = rcfg.kl_top_k if collect else 0
     with_kl = baseline is not None and baseline.kl_absent is None
     kl_sum, kl_cnt = torch.zeros_like(nll_sum), torch.zeros_like(nll_cnt)
+    with_klc = post_base is not None and post_base.kl_absent is None
+    klc_sum, klc_cnt = torch.zeros_like(nll_sum), torch.zeros_like(nll_cnt)
     topk_parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
     owned = np.zeros(canary.n_windows, dtype=bool)
     shown = _Progress(sum(e - s for s, e in kept), rcfg.progress, progress)
@@ -215,6 +223,9 @@ def measure_partial(
                     if with_kl:
                         base_kl = baseline.kl_base_slice(start, end, logits.shape[-1])
                         kl_sum[start:end], kl_cnt[start:end] = window_kl(logits[: end - start], *base_kl)
+                    if with_klc:
+                        base_kl = post_base.kl_base_slice(start, end, logits.shape[-1])
+                        klc_sum[start:end], klc_cnt[start:end] = window_kl(logits[: end - start], *base_kl)
                 owned[start:end] = True
                 shown.step(end - start)
     finally:
@@ -235,6 +246,8 @@ def measure_partial(
         "nll_count": nll_cnt.cpu().numpy(),
         "kl_sum": kl_sum.cpu().numpy() if with_kl else None,
         "kl_count": kl_cnt.cpu().numpy() if with_kl else None,
+        "klc_sum": klc_sum.cpu().numpy() if with_klc else None,
+        "klc_count": klc_cnt.cpu().numpy() if with_klc else None,
         "topk": topk_parts if kl_k else None,
         "anchors": collected_anchors(captures) if collect else None,
         "gamma": [cap.gamma0 for cap in captures],
@@ -294,6 +307,8 @@ def build_report(
     }
     if partials[0]["kl_sum"] is not None:
         per_window["kl_base"] = _window_sums(partials, owned, "kl")
+    if partials[0].get("klc_sum") is not None:
+        per_window["kl_cumulative"] = _window_sums(partials, owned, "klc")
     exact = []
     for h in merged:
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
@@ -362,6 +377,7 @@ def measure(
     progress: Callable[[int, int], None] | None = None,
     keep_anchors: bool | None = None,
     handoff_reference: list[dict[str, Any]] | None = None,
+    base: Any = None,
 ) -> GateReport:
     """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
 
@@ -377,13 +393,17 @@ def measure(
     Without a ``baseline`` the gate keeps the anchor tensors a :class:`~atlas_tracking.Baseline`
     is made of (``keep_anchors`` overrides). With one, drift, paired deltas and lifecycle
     margins are added under ``report.drift``; ``handoff_reference`` (per-layer ``c2`` and
-    ``pi_min``) replaces the baseline as the handoff reference.
+    ``pi_min``) replaces the baseline as the handoff reference. ``base`` is the post-training base
+    (a :class:`~atlas_tracking.Baseline` kept across resumes): the base damage since it and the refinement
+    margin's occupancy ratio read against it (the baseline itself when ``base`` is the baseline or None).
     """
     cfg = AtlasConfig.coerce(config)
     layers = layers if layers is not None else find_routed_layers(model)
     check_canary_fits(model, canary)
+    for ref in (baseline, None if base is baseline else base):
+        if ref is not None:
+            ref.check_compatible([lay.describe() for lay in layers], model_class_name(model), canary.fingerprint)
     if baseline is not None:
-        baseline.check_compatible([lay.describe() for lay in layers], model_class_name(model), canary.fingerprint)
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)
     else:
         plan = AnchorPlan.select(canary, cfg.receipts.anchors, cfg.receipts.seed)
@@ -393,22 +413,30 @@ def measure(
     world = d_world if world_size is None else world_size
     if world_size is None and d_world > 1:
         check_ranks_agree(canary, cfg, d_world)
-    partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress, plan, collect, baseline)
+    since = base if baseline is not None and base is not baseline else None
+    partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress, plan, collect, baseline,
+                              since)
     partials = _gather(partial, d_world) if world_size is None else [partial]
     report = build_report(partials, layers, canary, cfg, model, step, plan)
     if baseline is not None:
-        attach_drift(report, baseline, handoff_reference)
+        attach_drift(report, baseline, handoff_reference, base)
     return report
 
 
-def attach_drift(report: GateReport, baseline: Any, handoff_reference: list[dict[str, Any]] | None = None) -> None:
+def attach_drift(report: GateReport, baseline: Any, handoff_reference: list[dict[str, Any]] | None = None,
+                 base: Any = None) -> None:
     """Add the drift section (and the baseline's per-window arrays, for verify) to a report."""
     base_pw = baseline.manifest["per_window"]
     report.per_window["baseline"] = base_pw
     reference = baseline.manifest["reference"]
+    post_base = None
+    if base is not None:
+        post_base = {"step": base.manifest.get("step"), "reference": base.manifest["reference"],
+                     "canary_nll": None if base is baseline else base.manifest["per_window"]["canary_nll"]}
     report.drift = derive_drift(
         report.layers, report.per_window, base_pw, reference, handoff_reference or reference,
         report.canary["n_windows"] * report.canary["window"], report.config["receipts"], report.config["lifecycle"],
+        post_base,
     )
     if "kl_base" not in report.per_window:
         report.drift["kl_base_absent"] = baseline.kl_absent or "the forward returned no logits"

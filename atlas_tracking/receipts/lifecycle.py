@@ -1,31 +1,46 @@
 """Lifecycle margins: handoff and refinement (docs/receipts.md#lifecycle-margins; the report's eq. 31-32).
 
-Exact margins on per-layer receipts. Positive is inside the boundary.
+Exact margins on per-layer receipts. Positive is inside the boundary. A layer compared with itself has a
+handoff term of exactly 0 and a refinement term of exactly 0, whatever its dead experts.
 
 Example:
     >>> now = [{"c2": 0.10, "pi_min": 0.02}, {"c2": 0.05, "pi_min": 0.01}]
     >>> ref = [{"c2": 0.08, "pi_min": 0.02}, {"c2": 0.05, "pi_min": 0.02}]
     >>> round(handoff_margin(now, ref, [0, 1], lam1=1.0, lam2=0.1, n_tokens=1000)[0], 6)
-    -0.05
+    -0.047619
     >>> drift = [{"boundary_drift": 0.0, "content_drift": 0.0}] * 2
     >>> refine_margin(ref, drift, ref, [0, 1], mu=(1.0, 1.0, 0.1), tau=0.25, n_tokens=1000)[0]
     0.25
+    >>> dead = [{"c2": 0.1, "pi_min": 0.0}]
+    >>> handoff_margin(dead, dead, [0], lam1=1.0, lam2=0.1, n_tokens=1000)[0], refine_margin(
+    ...     dead, drift, dead, [0], mu=(1.0, 1.0, 0.1), tau=0.25, n_tokens=1000)[0]
+    (0.0, 0.25)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 
-def _pi_ratio(pi: float, pi_ref: float, n_tokens: int) -> float:
-    return pi / max(pi_ref, 1.0 / n_tokens)
+def occupancy_ratio(pi: Any, pi_ref: Any, n_tokens: int) -> Any:
+    """``rho = (pi_min + 1/T) / (pi_min_ref + 1/T)``: the ratio ``pi_min / pi_min_ref`` with one token of
+    smoothing on both sides, so equal occupancy gives exactly 1, dead experts on both sides included.
+
+    Works on numbers and on tensors alike (the smooth margins use it too).
+
+    >>> occupancy_ratio(0.0, 0.0, 1000), occupancy_ratio(0.02, 0.02, 1000), round(occupancy_ratio(0.0, 0.009, 1000), 6)
+    (1.0, 1.0, 0.1)
+    """
+    eps = 1.0 / n_tokens
+    return (pi + eps) / (pi_ref + eps)
 
 
 def handoff_terms(now: Sequence[dict], ref: Sequence[dict], lam1: float, lam2: float, n_tokens: int) -> list[float]:
-    """Per-layer ``lam1 (c2 - c2_ref) + lam2 (pi_min / max(pi_min_ref, 1/T) - 1)`` (eq. 31)."""
+    """Per-layer ``lam1 (c2 - c2_ref) + lam2 (rho - 1)`` with ``rho`` the :func:`occupancy_ratio` (eq. 31)."""
     return [
-        lam1 * (a["c2"] - b["c2"]) + lam2 * (_pi_ratio(a["pi_min"], b["pi_min"], n_tokens) - 1.0)
+        lam1 * (a["c2"] - b["c2"]) + lam2 * (occupancy_ratio(a["pi_min"], b["pi_min"], n_tokens) - 1.0)
         for a, b in zip(now, ref)
     ]
 
@@ -42,10 +57,11 @@ def handoff_margin(
 def refine_terms(
     now: Sequence[dict], drift: Sequence[dict], base: Sequence[dict], mu: tuple[float, float, float], n_tokens: int
 ) -> list[float]:
-    """Per-layer repurposing load ``mu1 bd + mu2 cd + mu3 (1 - pi_min / max(pi_min_base, 1/T))`` (eq. 32)."""
+    """Per-layer repurposing load ``mu1 bd + mu2 cd + mu3 (1 - rho)`` against the base, with ``rho`` the
+    :func:`occupancy_ratio` (eq. 32)."""
     mu1, mu2, mu3 = mu
     return [
-        mu1 * d["boundary_drift"] + mu2 * d["content_drift"] + mu3 * (1.0 - _pi_ratio(a["pi_min"], b["pi_min"], n_tokens))
+        mu1 * d["boundary_drift"] + mu2 * d["content_drift"] + mu3 * (1.0 - occupancy_ratio(a["pi_min"], b["pi_min"], n_tokens))
         for a, d, b in zip(now, drift, base)
     ]
 

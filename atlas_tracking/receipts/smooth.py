@@ -5,7 +5,7 @@ The theorem-facing margins replace every hard operation by a smooth one: top-k m
 scores, minima and maxima by log-sum-exp (``smin``/``smax``), and the quantile over the active
 set by smooth order statistics. Proposition 3: away from ties, as every beta grows they
 converge to the exact receipts (docs/receipts.md#lifecycle-margins); ``tests`` check this
-numerically. The pi ratios use the same ``max(pi_ref, 1/T)`` floor as the exact margins.
+numerically. The occupancy ratios are the exact margins' ``(pi + 1/T) / (pi_ref + 1/T)``.
 
 Example:
     >>> import torch
@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from atlas_tracking.receipts.lifecycle import occupancy_ratio
 from atlas_tracking.receipts.state2 import kappa_matrix
 
 
@@ -98,16 +99,12 @@ def smooth_content_drift(ratios: torch.Tensor, q: float, beta: float) -> torch.T
     return smooth_quantile(ratios, q, beta).mean()
 
 
-def _pi_ratio(pi: torch.Tensor, pi_ref: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    return pi / torch.clamp(pi_ref, min=1.0 / n_tokens)
-
-
 def smooth_handoff_margin(
     c2: torch.Tensor, c2_ref: torch.Tensor, pi_tail: torch.Tensor, pi_tail_ref: torch.Tensor,
     lam1: float, lam2: float, beta_h: float, n_tokens: int,
 ) -> torch.Tensor:
     """``smin_{beta_h}`` over protected layers of ``lam1 (C2 - C2_ref) + lam2 (pi/pi_ref - 1)`` (eq. 25-26)."""
-    m = lam1 * (c2 - c2_ref) + lam2 * (_pi_ratio(pi_tail, pi_tail_ref, n_tokens) - 1.0)
+    m = lam1 * (c2 - c2_ref) + lam2 * (occupancy_ratio(pi_tail, pi_tail_ref, n_tokens) - 1.0)
     return _smin(m, beta_h, dim=0)
 
 
@@ -117,5 +114,5 @@ def smooth_refine_margin(
 ) -> torch.Tensor:
     """``tau - smax_{beta_r}`` over protected layers of the repurposing load (eq. 29-30)."""
     mu1, mu2, mu3 = mu
-    load = mu1 * boundary + mu2 * content + mu3 * (1.0 - _pi_ratio(pi_tail, pi_tail_base, n_tokens))
+    load = mu1 * boundary + mu2 * content + mu3 * (1.0 - occupancy_ratio(pi_tail, pi_tail_base, n_tokens))
     return tau - _smax(load, beta_r, dim=0)

@@ -96,16 +96,20 @@ class LifecycleConfig:
     """Handoff and refinement margins (docs/receipts.md#lifecycle-margins)."""
 
     protected_layers: Literal["mid", "all", "auto"] | list[int] = "mid"
-    """"mid" (middle half of the routed layers), "all", routed-layer ordinals, or "auto": chosen from the
-    run's recorded gates (docs/policy.md#protected-layers; :mod:`atlas_tracking.decisions.protection`): among the routed layers
-    but the first and last, those whose experts stay alive (``auto_persistence_floor``) with the worst median
-    C2 loss against the baseline, as many as "mid"; "mid" until ``auto_min_gates`` post-baseline gates
-    exist. Each gate record names the set and its source (``protected_layers``, ``protected_source``)."""
+    """"mid" (middle half of the routed layers), "all", routed-layer ordinals, or "auto": chosen once per run
+    from its recorded gates and then held (docs/policy.md#protected-layers;
+    :mod:`atlas_tracking.decisions.protection`): among the layers of the mid band ``auto_band``, those whose
+    experts stay alive (``auto_persistence_floor``) with the worst median C2 loss, half the band rounded up;
+    "mid" until the evidence exists (the handoff's pretraining gates, or ``auto_min_gates`` post-baseline
+    gates). Each gate record names the set and its source (``protected_layers``, ``protected_source``); a
+    change of the set in a run is recorded as ``protected_change``."""
     auto_min_gates: int = 2
-    """protected_layers auto: post-baseline gates needed before the set is chosen from evidence."""
-    auto_margin: float = 0.005
-    """protected_layers auto: a layer replaces a member of the chosen set only when its median C2 loss is
-    larger by more than this (C2 units), so the set does not flicker between gates."""
+    """protected_layers auto: evidence gates (post-baseline, or pretraining gates at the handoff) needed
+    before the set is chosen."""
+    auto_band: list[float] = field(default_factory=lambda: [0.25, 0.75])
+    """protected_layers auto: the mid band the candidates come from, ``[lo, hi]`` as fractions of routed-layer
+    depth (routed layer i of n at depth i / (n - 1)): ordinals ceil(lo (n - 1)) to floor(hi (n - 1)), 7-19 of
+    27 routed layers; with no layer inside, the layers nearest the band's middle."""
     auto_persistence_floor: float = 0.5
     """protected_layers auto: a layer counts as persistent (kept specialized experts) when the median
     fraction of its experts receiving canary tokens is at least this; persistent layers rank first."""
@@ -115,12 +119,19 @@ class LifecycleConfig:
     mu2: float = 1.0
     mu3: float = 0.1
     tau: float = 0.25
+    handoff_reference: str | None = None
+    """A declared healthy reference for the handoff margin: a receipts artifact (``receipts/step_N.json``) or a
+    baseline directory of a healthy checkpoint on the same routed layers and canary (an earlier model of the
+    family), or "gate:N", this run's own gate at step N (pinned: read once that gate has run). Handoff
+    readiness needs it; without it readiness rests on
+    stability only and a gate is never "ready" (docs/policy.md#handoff-readiness)."""
 
     def _validate(self, prefix: str) -> None:
         if self.auto_min_gates < 1:
             raise ConfigError(f"'{prefix}auto_min_gates' must be >= 1, got {self.auto_min_gates!r}")
-        if self.auto_margin < 0:
-            raise ConfigError(f"'{prefix}auto_margin' must be >= 0, got {self.auto_margin!r}")
+        if len(self.auto_band) != 2 or not 0.0 <= self.auto_band[0] < self.auto_band[1] <= 1.0:
+            raise ConfigError(f"'{prefix}auto_band' must be [lo, hi] with 0 <= lo < hi <= 1 (fractions of "
+                              f"routed-layer depth), got {self.auto_band!r}")
         _check_range(prefix, "auto_persistence_floor", self.auto_persistence_floor, 0.0, 1.0)
 
 
@@ -147,6 +158,18 @@ class PolicyConfig:
     collapse_effective_experts: float = 2.0
     """Occupancy collapse: a routed layer whose effective expert count exp(router_entropy) falls below this
     many times its top-k (routing concentrated on about as many experts as a token selects)."""
+    ready_dead_fraction: float = 0.25
+    """Handoff readiness: no routed layer may have more than this fraction of its experts dead (stricter than the
+    collapse floor: an atlas around many dead experts is not ready to hand off)."""
+    ready_effective_fraction: float = 0.5
+    """Handoff readiness: every routed layer's effective expert count exp(router_entropy) must be at least this
+    fraction of its experts."""
+    damage_kl_tol: float = 0.05
+    """Base-domain damage predicate: the bounded KL(base || now) since the post-training base (nats per canary
+    token) above which, with its CI excluding 0, the base domain counts as damaged."""
+    damage_nll_tol: float = 0.05
+    """Base-domain damage predicate: the canary NLL rise since the post-training base (nats per token) above
+    which, with its CI excluding 0, the base domain counts as damaged."""
     c2_tol: float = 0.005
     """C2 moves smaller than this (absolute) are 'stable' (against the baseline and the previous gate)."""
     dead_tol: float = 0.0
@@ -168,12 +191,14 @@ class PolicyConfig:
     def _validate(self, prefix: str) -> None:
         _check_range(prefix, "fresh_nll_ratio", self.fresh_nll_ratio, 0.0, 1.0, lo_open=True)
         _check_range(prefix, "collapse_dead_fraction", self.collapse_dead_fraction, 0.0, 1.0)
+        _check_range(prefix, "ready_dead_fraction", self.ready_dead_fraction, 0.0, 1.0)
+        _check_range(prefix, "ready_effective_fraction", self.ready_effective_fraction, 0.0, 1.0)
         if self.collapse_effective_experts < 0:
             raise ConfigError(f"'{prefix}collapse_effective_experts' must be >= 0, got {self.collapse_effective_experts!r}")
         for name in ("n_recover", "loss_window", "n_stable"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
-        for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol"):
+        for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol", "damage_kl_tol", "damage_nll_tol"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"'{prefix}{name}' must be >= 0, got {getattr(self, name)!r}")
 
@@ -212,6 +237,10 @@ class AlertsConfig:
     """Pretraining: a gate enters stage ``collapse`` (occupancy collapse on a routed layer)."""
     on_handoff_ready: Literal["INFO", "WARN", "ERROR", "off"] = "INFO"
     """Pretraining: a gate enters stage ``ready`` (handoff readiness holds)."""
+    on_rewrite: Literal["INFO", "WARN", "ERROR", "off"] = "WARN"
+    """Post-training: the protected-atlas rewrite predicate turns ``fail`` (refinement margin below 0, CI too)."""
+    on_base_damage: Literal["INFO", "WARN", "ERROR", "off"] = "WARN"
+    """Post-training: the base-domain damage predicate turns ``fail`` (damage since the base beyond tolerance)."""
     wait_duration_s: float = 300.0
     """Minimum seconds between two identical alerts delivered by a tracker."""
     rules: list[AlertRule] = field(default_factory=list)

@@ -70,6 +70,8 @@ class Stage(str, Enum):
     forming = "forming"
     ready = "ready"
     collapse = "collapse"
+    stable = "stable"
+    """Pretraining: every readiness criterion holds but no healthy reference is declared (never "ready")."""
 
     @property
     def code(self) -> int:
@@ -89,9 +91,12 @@ class Phase(str, Enum):
         return self.value
 
 
+VERDICT_CODES = {"pass": 0, "at risk": 1, "fail": 2}
+"""Tracker codes of a predicate's verdict (``atlas/predicate/<name>``); ``not measured`` and ``not judged`` send
+nothing."""
 BAD_STAGES = (Stage.revoked, Stage.alert, Stage.prepare, Stage.intervene)
 """Post-training stages with a revoked preservation claim."""
-PRETRAINING_STAGES = (Stage.forming, Stage.ready, Stage.collapse)
+PRETRAINING_STAGES = (Stage.forming, Stage.stable, Stage.ready, Stage.collapse)
 STATUS_CODES = {s.value: s.code for s in Status}
 STAGE_CODES = {s.value: s.code for s in Stage}
 
@@ -265,6 +270,10 @@ class Margins(TypedDict, total=False):
     """Min over the protected layers of lam1 (c2 - c2_ref) + lam2 (rho - 1)."""
     refine_margin: Annotated[float | None, Metric()]
     """tau - max over the protected layers of mu1 boundary + mu2 content + mu3 (1 - rho)."""
+    refine_margin_ci: list[float] | None
+    """Window-bootstrap CI of ``refine_margin`` (drift and expert loads of the protected layers resampled)."""
+    refine_reference: str
+    """What ``refine_margin`` reads against: the post-training base in post-training, else the baseline."""
 
 
 class BaseDamage(TypedDict, total=False):
@@ -280,6 +289,17 @@ class BaseDamage(TypedDict, total=False):
     """Paired window-bootstrap CI of ``canary_nll_delta``."""
     kl_base_absent: str
     """Why ``kl_base`` is absent (a baseline saved without the base log-probabilities)."""
+    base_step: int | None
+    """Post-training: the step of the base (the first post-training baseline), kept across resumes."""
+    kl_base_cumulative: Annotated[float | None, Metric()]
+    """Bounded KL(base || now) per canary predicted token against the post-training base: the damage since the
+    base, across every resume (``kl_base`` is since the latest baseline)."""
+    kl_base_cumulative_ci: list[float] | None
+    """Window-bootstrap CI of ``kl_base_cumulative``."""
+    canary_nll_delta_cumulative: Annotated[float | None, Metric()]
+    """Canary NLL now minus at the post-training base."""
+    canary_nll_delta_cumulative_ci: list[float] | None
+    """Paired window-bootstrap CI of ``canary_nll_delta_cumulative``."""
 
 
 @dataclass
@@ -324,6 +344,11 @@ class GateDecision:
     """Pretraining: handoff readiness (ready, stable_gates, n_stable, margin, reasons)."""
     collapse: list[str] = field(default_factory=list)
     """Pretraining: the routed layers whose occupancy collapsed (empty when none)."""
+    rule: str | None = None
+    """The table row of the report the stage follows (docs/policy.md#stage-transitions)."""
+    predicates: dict[str, Any] | None = None
+    """Post-training gates after a baseline: the three predicates (``protected_rewrite``, ``base_damage``,
+    ``knowledge_expansive``), each a ``verdict`` with its ``reason`` (docs/policy.md#the-three-predicates)."""
 
     def __post_init__(self) -> None:
         self.status, self.stage, self.phase = Status(self.status), Stage(self.stage), Phase(self.phase)
@@ -358,6 +383,8 @@ class Gate(TypedDict, total=False):
     """sha256 of the canary's token ids and window layout: receipts compare only on the same canary."""
     canary_changed_from: str
     """A resume on another canary: the fingerprint it replaced."""
+    handoff_reference: str | None
+    """The declared healthy reference ``handoff_margin`` reads against (None: against the baseline)."""
     vocab_size: int | None
     """The model's vocabulary (with the canary NLL it tells a freshly initialised model)."""
     baseline_step: int | None
@@ -365,15 +392,17 @@ class Gate(TypedDict, total=False):
     baseline_path: str
     """The baseline directory of this gate's reference."""
     protected_layers: list[int]
-    """``protected_layers: auto``: the ordinals chosen for this gate."""
+    """The protected set of this gate (``protected_layers: auto``, and any gate whose set changed)."""
     protected_source: str
-    """``auto``, or why the ``mid`` fallback was used."""
+    """``auto (chosen at step N from gates [...])`` (the run's choice, held), ``mid (no evidence yet: ...)``
+    before it, or ``config: ...`` at a change under another setting."""
     protected_evidence_steps: list[int]
-    """The post-baseline gates the choice was made from."""
+    """The gates the run's choice was made from."""
     protection: list[dict[str, Any]]
-    """Per layer: C2 loss, persistence, rank, chosen, reason."""
+    """At the gate that chose the set, per layer: C2 loss, persistence, rank, chosen, reason."""
     protected_change: dict[str, Any]
-    """A member replaced at this gate: from, to and both layers' numbers."""
+    """The set changed at this gate (the choice replacing ``mid``, an adopted list, a configuration changed
+    between resumes): from, to, step and why."""
     param_drift: dict[str, Any]
     """Parameter drift per module group against the baseline's parameters."""
     gate_seconds: Annotated[float, Metric()]
@@ -400,7 +429,7 @@ def fields(cls: type) -> tuple[str, ...]:
     """The keys a section declares, in order.
 
     >>> fields(Margins)
-    ('handoff_margin', 'refine_margin')
+    ('handoff_margin', 'refine_margin', 'refine_margin_ci', 'refine_reference')
     """
     return tuple(_hints(cls))
 
@@ -408,8 +437,8 @@ def fields(cls: type) -> tuple[str, ...]:
 def metric_fields(cls: type) -> dict[str, str]:
     """Field -> tracker name of every field of ``cls`` marked with :class:`Metric`.
 
-    >>> metric_fields(BaseDamage)
-    {'kl_base': 'kl_base', 'canary_nll_delta': 'canary_nll_delta'}
+    >>> metric_fields(Margins)
+    {'handoff_margin': 'handoff_margin', 'refine_margin': 'refine_margin'}
     """
     out = {}
     for key, hint in _hints(cls).items():

@@ -75,6 +75,33 @@ def cliff_text(d: dict[str, Any], profile: list[Any]) -> str:
     return text + (f" Note: {d['ov_cf_cliff_note']}." if d.get("ov_cf_cliff_note") else "")
 
 
+def verdict_lines(last: dict[str, Any]) -> list[str]:
+    """The last gate's verdicts in words: the rule its stage follows, the three predicates (post-training) or the
+    handoff readiness and what it rests on (pretraining), and the base damage since the base and the baseline.
+
+    >>> verdict_lines({"rule": "Table 13 row 1: first bad gate after a clean baseline", "predicates": {
+    ...     "protected_rewrite": {"verdict": "pass", "reason": "refinement margin +0.2000 >= 0 on the protected layers"}}})
+    ['Rule: Table 13 row 1: first bad gate after a clean baseline.', 'protected rewrite: pass (refinement margin +0.2000 >= 0 on the protected layers)']
+    """
+    out = [f"Rule: {last['rule']}."] if last.get("rule") else []
+    for name, entry in (last.get("predicates") or {}).items():
+        out.append(f"{name.replace('_', ' ')}: {entry.get('verdict')} ({entry.get('reason')})")
+    handoff = last.get("handoff")
+    if handoff:
+        out.append(f"Handoff readiness: {'ready' if handoff.get('ready') else 'not ready'}; basis: "
+                   f"{handoff.get('basis', 'stability')}" + (f"; {'; '.join(handoff['reasons'])}"
+                                                            if handoff.get("reasons") else "") + ".")
+    if last.get("kl_base_cumulative") is not None or last.get("canary_nll_delta_cumulative") is not None:
+        def num(x: Any) -> str:
+            return "n/a" if x is None else f"{x:+.4f}"
+
+        out.append(f"Base damage since the base (step {last.get('base_step')}): KL {num(last.get('kl_base_cumulative'))}"
+                   f", canary NLL {num(last.get('canary_nll_delta_cumulative'))}; since the baseline (step "
+                   f"{last.get('baseline_step')}): KL {num(last.get('kl_base'))}, canary NLL "
+                   f"{num(last.get('canary_nll_delta'))}.")
+    return out
+
+
 def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, bytes]]:
     """The HTML page and its figures for a run's gate records."""
     last = recs[-1]
@@ -95,6 +122,7 @@ def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, byt
 <p>Last gate: step {last['step']} <span class="status" style="background:{color}">{html.escape(str(last.get('status')))}</span>
 stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('action', '')))}</p>
 <p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
+<h2>Verdicts (last gate)</h2><ul>{''.join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(last))}</ul>
 <h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
 <h2>Dead experts</h2>{_img(figures['dead_experts.png'], 'dead experts per gate')}
 <h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}

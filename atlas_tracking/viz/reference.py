@@ -31,14 +31,14 @@ from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.schema import config as config_schema
 from atlas_tracking.schema import record as record_schema
 from atlas_tracking.schema.config import AtlasConfig
-from atlas_tracking.schema.record import METRIC_NAMES, Stage, Status, metric_fields
+from atlas_tracking.schema.record import METRIC_NAMES, VERDICT_CODES, Stage, Status, metric_fields
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """The docstring written under each attribute of a class body (dataclasses, TypedDicts, enums).
 
     >>> list(attribute_docs(record_schema.Margins))
-    ['handoff_margin', 'refine_margin']
+    ['handoff_margin', 'refine_margin', 'refine_margin_ci', 'refine_reference']
     >>> attribute_docs(record_schema.Summary)["c2"]
     'Mean C2 over the routed layers.'
     """
@@ -142,6 +142,10 @@ DERIVED_METRICS = {
     "status_code": "The status as a number: " + ", ".join(f"{s.value} {s.code}" for s in Status) + ".",
     "stage_code": "The stage as a number: " + ", ".join(f"{s.value} {s.code}" for s in Stage) + ".",
     "ov_cf_cliff_off_terminal": "1 when the dominant `ov_cf` cliff is not at the terminal routed layer, else 0.",
+    "predicate/protected_rewrite": "Post-training: the protected-atlas rewrite predicate as a number: "
+    + ", ".join(f"{v} {c}" for v, c in VERDICT_CODES.items()) + ".",
+    "predicate/base_damage": "Post-training: the base-domain damage predicate as a number: "
+    + ", ".join(f"{v} {c}" for v, c in VERDICT_CODES.items()) + ".",
 }
 """Tracker keys computed from a record rather than copied from one field."""
 

@@ -139,6 +139,36 @@ def test_c2_worsening_with_healthy_occupancy_never_escalates_to_intervene():
     assert out[-1]["intervention"].startswith("Inspect protected layers first")
 
 
+def test_a_flat_degraded_plateau_stays_on_alert_and_never_intervenes():
+    # Table 13 asks for two subsequent *worse* gates; a persistent bad plateau is Table 11's "investigate".
+    flat = {"c2": 0.02, "dead_experts": 9.0, "mean_cv": 80.0}
+    out = replay([BASE] + [{**BASE, "step": s, **flat} for s in (1, 2, 3, 4, 5)])
+    assert [o["stage"] for o in out] == ["baseline", "revoked", "alert", "alert", "alert", "alert"]
+    assert [a["level"] for o in out for a in o["alerts"]] == ["WARN"]
+    assert out[2]["rule"].startswith("Table 11 row 2") and "investigate" in out[2]["rule"]
+    # two further worse gates with the same pathology do intervene
+    worse = [{**BASE, "step": 6, "c2": 0.01, "dead_experts": 10.0, "mean_cv": 80.0},
+             {**BASE, "step": 7, "c2": 0.0, "dead_experts": 11.0, "mean_cv": 80.0}]
+    out = replay([BASE] + [{**BASE, "step": s, **flat} for s in (1, 2, 3)] + worse)
+    assert [o["stage"] for o in out[-2:]] == ["prepare", "intervene"]
+    assert out[-1]["rule"] == "Table 13 row 3: two subsequent worse gates with the same occupancy pathology"
+
+
+def test_a_red_first_bad_gate_never_says_intervene_beside_revoke():
+    red = {**BASE, "step": 1, "c2": 0.0, "dead_experts": 9.0, "mean_cv": 80.0, "loss": 5.0}
+    out = replay([BASE, red, {**red, "step": 2, "loss": 5.0}])
+    assert (out[1]["status"], out[1]["stage"]) == ("RED", "revoked")
+    assert "Intervene or reset" not in out[1]["interpretation"]
+    assert "collect the next gate" in out[1]["interpretation"] and "Keep the next gate" in out[1]["action"]
+    assert out[1]["rule"] == "Table 13 row 1: first bad gate after a clean baseline"
+
+
+def test_every_post_training_transition_names_its_table_row():
+    out = replay(read_gates(PAPER / "distill640.jsonl"))
+    assert [o["rule"].split(":")[0] for o in out] == ["Table 13 row 4", "Table 13 row 1", "Table 13 row 2",
+                                                      "Table 13 row 3", "Table 13 row 3"]
+
+
 def test_escalation_needs_occupancy_degrading_at_consecutive_gates():
     worse = {"dead_experts": 9.0, "mean_cv": 80.0}
     gates = [BASE, {**BASE, "step": 1, "c2": 0.05},                       # C2 alone: revoked
@@ -154,14 +184,17 @@ PRE = AtlasConfig.from_dict({"policy": {"phase": "pretraining", "c2_tol": 0.01, 
                                         "entropy_tol": 0.1, "cv_tol": 10.0}})
 
 
-def _layers(dead: float = 2, entropy: float = 2.5, v2_pass: bool = True) -> list[dict]:
+def _layers(dead: float = 2, entropy: float = 3.3, v2_pass: bool = True) -> list[dict]:
     return [{"name": f"l{i}", "ordinal": i, "protected": i in (1, 2), "num_experts": 32, "top_k": 2, "c2": 0.1,
              "dead_experts": dead, "router_entropy": entropy, "v2_c1_pass": v2_pass} for i in range(4)]
 
 
 def _pre(step: int, c2: float, dead: float, h: float, cv: float, **kw) -> dict:
+    """A pretraining gate whose routed layers are above the readiness floor (exp(3.3) = 27 of 32 effective
+    experts), with the handoff margin +0.01 against a declared healthy reference unless ``kw`` says otherwise."""
     return {"step": step, "c2": c2, "c2_protected": c2, "dead_experts": dead, "min_entropy": h, "mean_cv": cv,
-            "loss": 5.0 - step / 1000, "handoff_margin": -0.1, "layers": _layers(dead, h), **kw}
+            "loss": 5.0 - step / 1000, "handoff_margin": 0.01, "handoff_reference": "healthy.json",
+            "layers": _layers(dead), **kw}
 
 
 def test_pretraining_rolls_the_reference_and_never_escalates():
@@ -183,9 +216,12 @@ def test_handoff_ready_after_n_stable_gates_then_lost_when_the_atlas_moves():
              _pre(600, 0.108, 5, 2.48, 151), _pre(800, 0.06, 5, 2.48, 151)]
     out = replay(gates, PRE)
     assert [o["stage"] for o in out] == ["baseline", "forming", "ready", "ready", "forming"]
-    assert out[1]["handoff"]["reasons"] == ["atlas not yet stable: 1 of 2 consecutive stable gates"]
-    assert out[2]["handoff"] == {"ready": True, "stable_gates": 2, "n_stable": 2, "margin": -0.1,
-                                 "reference_step": 200, "reasons": []}
+    assert out[1]["handoff"]["reasons"] == ["atlas not yet stable: 1 of 2 consecutive stable gates",
+                                            "handoff margin +0.0100 against healthy.json: 1 of 2 consecutive gates >= 0"]
+    assert out[2]["handoff"] == {
+        "ready": True, "stable_gates": 2, "n_stable": 2, "margin": 0.01, "margin_gates": 2, "reference": "healthy.json",
+        "basis": "handoff margin >= 0 against the declared reference healthy.json at 2 consecutive gates, with stability",
+        "reference_step": 200, "reasons": []}
     assert [(a["level"], a["key"]) for o in out for a in o["alerts"]] == [("INFO", "stage:ready")]
     assert out[4]["handoff"]["reasons"][0].startswith("atlas not yet stable: 0 of 2")
     assert "C2 falling on the protected layers: 0.1080 -> 0.0600 since step 600" in out[4]["handoff"]["reasons"]
@@ -208,6 +244,43 @@ def test_occupancy_collapse_is_yellow_with_a_warn_in_pretraining():
                                   "l1: effective experts exp(H) = 2.46 < 2 x top-k 2"]
     assert [(a["level"], a["title"]) for a in out[2]["alerts"]] == [("WARN", "atlas: occupancy collapse at step 400")]
     assert out[2]["intervention"].startswith("Check the load-balancing loss")
+
+
+def test_readiness_without_a_declared_reference_is_stability_only_never_ready():
+    gates = [_pre(s, 0.10, 4, 3.3, 150, handoff_reference=None, handoff_margin=0.0) for s in (0, 200, 400, 600)]
+    out = replay(gates, PRE)
+    assert [o["stage"] for o in out] == ["baseline", "forming", "stable", "stable"]
+    assert not any(o["handoff"]["ready"] for o in out)
+    assert out[3]["handoff"]["basis"] == "stability only (no healthy reference declared)"
+    assert out[3]["handoff"]["reasons"] == [
+        "readiness: stability only (no healthy reference declared; set lifecycle.handoff_reference)"]
+    assert [a for o in out for a in o["alerts"]] == []
+    assert "declare a healthy reference" in out[3]["action"]
+
+
+def test_a_slow_steady_decline_of_c2_is_never_ready_against_a_healthy_reference():
+    # Each gate-to-gate C2 step (0.004) is inside c2_tol (0.01), so the atlas reads "stable" gate to gate; the
+    # handoff margin against the declared healthy reference (C2 0.10) keeps falling below 0.
+    gates = [_pre(200 * i, 0.10 - 0.004 * i, 4, 3.3, 150, handoff_margin=-0.004 * i) for i in range(8)]
+    out = replay(gates, PRE)
+    assert all(o["handoff"]["stable_gates"] >= 2 for o in out[2:])
+    assert [o["stage"] for o in out[2:]] == ["forming"] * 6
+    assert out[7]["handoff"]["reasons"] == [
+        "handoff margin -0.0280 against healthy.json: 0 of 2 consecutive gates >= 0"]
+
+
+def test_a_layer_with_most_experts_dead_is_not_ready_though_not_collapsed():
+    def gate(step: int) -> dict:
+        g = _pre(step, 0.10, 4, 3.3, 150)
+        g["layers"][1].update(dead_experts=20, router_entropy=2.4)  # 20 of 32 dead: under the 0.75 collapse floor
+        return g
+
+    out = replay([gate(s) for s in (0, 200, 400, 600)], PRE)
+    assert [o["stage"] for o in out] == ["baseline", "forming", "forming", "forming"]
+    assert out[3]["collapse"] == []
+    assert out[3]["handoff"]["reasons"] == [
+        "occupancy below the readiness floor: l1: 20 of 32 experts dead (more than 0.25 of them); "
+        "l1: effective experts exp(H) = 11.02 < 0.5 x 32 experts"]
 
 
 # --- which phase --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def test_the_policys_decision_is_the_records_decision_section():
 def test_status_and_stage_codes_are_the_tracker_codes():
     assert schema.STATUS_CODES == {"BASELINE": 0, "GREEN": 1, "YELLOW": 2, "RED": 3}
     assert schema.STAGE_CODES == {"baseline": 0, "clean": 1, "recovering": 2, "revoked": 3, "alert": 4, "prepare": 5,
-                                  "intervene": 6, "forming": 7, "ready": 8, "collapse": 9}
+                                  "intervene": 6, "forming": 7, "ready": 8, "collapse": 9, "stable": 10}
     assert json.dumps({"status": schema.Status.GREEN, "stage": schema.Stage.clean}) == \
         '{"status": "GREEN", "stage": "clean"}'
     assert f"{schema.Stage.intervene}" == "intervene" and schema.Status("RED") is schema.Status.RED
