@@ -6,21 +6,26 @@
    Python (``pydoc_data``), every parameter trainable, with a load-balancing loss; gates every
    150 steps from the step-0 baseline. Its first gate has the canary NLL of a uniform guess, so
    the gates are read in the ``pretraining`` phase: each gate against the previous one, no
-   escalation, occupancy collapse still alerting, and every gate reporting handoff readiness.
-   It is interrupted at step 600 (the handoff point) and resumed from its checkpoint with
-   ``policy.phase: post_training`` for a healthy continuation on the same prose (the control):
-   the resumed gate is a new BASELINE, later gates compare against it, and it stays GREEN / clean.
+   escalation, occupancy collapse still alerting, and every gate reporting handoff readiness against
+   the healthy reference the operator declares: here the pretraining gate before the handoff, pinned
+   (``lifecycle.handoff_reference: gate:N``). It is interrupted at step 600 (the handoff point) and
+   resumed from its checkpoint with ``policy.phase: post_training`` at a tenth of the learning rate (a
+   gentle continuation on the same prose, the control): the resumed gate is a new BASELINE and the
+   post-training base. It is interrupted once more two gates later: that resume is a new baseline too,
+   and the gate after it reports its base damage both since that baseline and since the base.
 2. stressed: from the step-600 weights, experts, router and FFN norms are frozen and only
    attention and embeddings train, on a shifted regime (Python standard-library source), with a
    fresh optimizer at 10x the pretraining learning rate and no load balancing. Its first gate is
    a trained model's, so it is read in ``post_training``. Loss keeps improving; C2 falls below the
-   baseline, dead experts rise, occupancy narrows, and the policy walks to intervene, with alerts.
-3. intervention: what the operator does when the policy says intervene (the paper's Table 14, first row:
-   router-prior control at matched scalar success). From the stressed weights at its first
-   ``intervene`` gate, the router and experts are unfrozen and train on the same code with a 5x
+   baseline, dead experts rise, occupancy narrows: the policy revokes the preservation claim at the first
+   bad gate and escalates as the later gates say (a persistent degraded plateau stays on ``alert``; two
+   further worse gates reach ``intervene``), with alerts and the three predicates.
+3. intervention: what the operator does once the claim stays revoked (the paper's Table 14, first row:
+   router-prior control at matched scalar success). From the stressed weights at its first gate on
+   ``alert`` or beyond, the router and experts are unfrozen and train on the same code with a 5x
    load-balancing loss (the router prior) at the pretraining learning rate. ``atlas-tracking judge``
    then pairs its gates with the stressed run's at matched validation loss and prints the verdict of
-   the four checks of section 8.9 (real fix / not yet / not comparable), whatever it is.
+   the checks of section 8.9 (real fix / not yet / not comparable), whatever it is.
 
 Each run's last gate also gives the depth profile of routing self-consistency (``ov_cf``) and its
 terminal jump (docs/receipts.md#terminal-cliff), printed at the end.
@@ -71,6 +76,14 @@ class Phase:
     resume_phase: str = "auto"
     """policy.phase of the resumed run ("post_training": the resume is the handoff)."""
     cosine: bool = False
+    resume_again: int | None = None
+    """A second interruption after the handoff, resumed in the same phase (the base stays the handoff's)."""
+    pin: int | None = None
+    """The pretraining gate pinned as the declared healthy reference of handoff readiness (``gate:N``)."""
+    post_lr_scale: float = 1.0
+    """The learning rate after the handoff, as a fraction of the resumed schedule's (post-training refines)."""
+    schedule_steps: int | None = None
+    """The cosine schedule's length (default ``steps``); past it the learning rate stays at its floor."""
 
 
 def phases(quick: bool) -> tuple[Phase, Phase, Phase]:
@@ -80,8 +93,9 @@ def phases(quick: bool) -> tuple[Phase, Phase, Phase]:
     every = 150
     pretrain = (2 if quick else 4) * every
     return (
-        Phase("healthy", pretrain + 3 * every, 3e-3, 0.02, False, "prose", every, resume_at=pretrain,
-              resume_phase="post_training", cosine=True),
+        Phase("healthy", pretrain + 4 * every, 3e-3, 0.02, False, "prose", every, resume_at=pretrain,
+              resume_phase="post_training", cosine=True, resume_again=pretrain + 2 * every, pin=pretrain - every,
+              post_lr_scale=0.1, schedule_steps=pretrain + 3 * every),
         Phase("stressed", 5 * every, 3e-2, 0.0, True, "code", every),
         Phase("intervention", 3 * every, 3e-3, 0.1, False, "code", every, cosine=True),
     )
@@ -91,9 +105,13 @@ RUNS = ("healthy", "stressed", "intervention")
 """The demo's runs, each in ``<out>/<run>``."""
 
 
-class BranchAtIntervene(pl.Callback):
+ESCALATED = ("alert", "prepare", "intervene")
+"""Stages past the first bad gate without a recovery: the claim stays revoked and the operator acts."""
+
+
+class BranchAtEscalation(pl.Callback):
     """Keeps the weights at the run's first gate whose record (``atlas/gates.jsonl``, the local ground truth)
-    reads stage ``intervene``; listed after the AtlasCallback, whose gate has then been written."""
+    reads a stage of :data:`ESCALATED`; listed after the AtlasCallback, whose gate has then been written."""
 
     def __init__(self, run_dir: Path) -> None:
         self.gates = run_dir / "atlas" / "gates.jsonl"
@@ -104,9 +122,29 @@ class BranchAtIntervene(pl.Callback):
         if self.weights is not None or not self.gates.exists():
             return
         last = json.loads(self.gates.read_text().splitlines()[-1])
-        if last.get("stage") == "intervene":
+        if last.get("stage") in ESCALATED:
             self.step = last["step"]
             self.weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+
+
+class ScaleLearningRate(pl.Callback):
+    """Sets the peak learning rate of a run resumed from a checkpoint (whose optimizer and schedule are restored) to
+    ``scale`` x the module's own: the same fraction at every resume, never compounded."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        peak = pl_module.lr * self.scale
+        for config in trainer.lr_scheduler_configs:  # the demo's cosine LambdaLR
+            sched = config.scheduler
+            sched.base_lrs = [peak for _ in sched.base_lrs]
+            for group, fn in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+                group["lr"] = peak * fn(sched.last_epoch)
+        if not trainer.lr_scheduler_configs:
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = peak
 
 
 def make_loggers(run_dir: Path, name: str, trackers: bool) -> list[Any]:
@@ -141,19 +179,22 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
 
     def module() -> MoELM:
         m = MoELM(build_qwen3_moe(seed=seed), lr=phase.lr, aux_coef=phase.aux, freeze_routed=phase.freeze_routed,
-                  cosine_steps=phase.steps if phase.cosine else 0)
+                  cosine_steps=(phase.schedule_steps or phase.steps) if phase.cosine else 0)
         if weights is not None:
             m.model.load_state_dict(weights)
         return m
 
-    def fit(max_steps: int, ckpt_path: str | None, loggers: list[Any], policy_phase: str = "auto") -> MoELM:
+    def fit(max_steps: int, ckpt_path: str | None, loggers: list[Any], policy_phase: str = "auto",
+            lr_scale: float = 1.0) -> MoELM:
         pl.seed_everything(seed, verbose=False)
         config = {**DEMO_CONFIG, "policy": {**DEMO_CONFIG["policy"], "phase": policy_phase}}
+        if phase.pin is not None:  # the operator pins a pretraining gate as the healthy reference of readiness
+            config["lifecycle"] = {**DEMO_CONFIG["lifecycle"], "handoff_reference": f"gate:{phase.pin}"}
         ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, every_n_train_steps=phase.every)
         trainer = pl.Trainer(
             max_steps=max_steps, val_check_interval=phase.every, check_val_every_n_epoch=None,
             default_root_dir=str(run_dir), logger=loggers or False,
-            callbacks=[AtlasCallback(canary, config), ckpt, *extra_callbacks],
+            callbacks=[AtlasCallback(canary, config), ckpt, ScaleLearningRate(lr_scale), *extra_callbacks],
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
             devices=1, log_every_n_steps=50,
         )
@@ -167,7 +208,11 @@ def train(phase: Phase, weights: dict | None, streams, canary: Canary, out: Path
             return fit(phase.steps, None, loggers), None
         interrupted = fit(phase.resume_at, None, loggers)
         weights = {k: v.detach().clone() for k, v in interrupted.model.state_dict().items()}
-        return fit(phase.steps, str(run_dir / "checkpoints" / "last.ckpt"), loggers, phase.resume_phase), weights
+        last = str(run_dir / "checkpoints" / "last.ckpt")
+        scale = phase.post_lr_scale
+        if phase.resume_again is not None:  # a second restart: a resume baseline, the base stays the handoff's
+            fit(phase.resume_again, last, loggers, phase.resume_phase, scale)
+        return fit(phase.steps, last, loggers, phase.resume_phase, scale), weights
     finally:
         for logger in loggers:
             logger.finalize("success")
@@ -202,10 +247,18 @@ def protected(out: Path) -> dict[str, Any]:
 
 
 def base_damage(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kl_base and the canary NLL delta of each gate read against a reference (docs/receipts.md#terminal-cliff)."""
-    return [{"step": r["step"], "reference_step": r.get("baseline_step"),
-             **{k: r.get(k) for k in ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci")}}
+    """kl_base and the canary NLL delta of each gate against its baseline, and since the post-training base
+    (docs/receipts.md#base-domain-damage)."""
+    keys = ("kl_base", "kl_base_ci", "canary_nll_delta", "canary_nll_delta_ci", "base_step", "kl_base_cumulative",
+            "kl_base_cumulative_ci", "canary_nll_delta_cumulative", "canary_nll_delta_cumulative_ci")
+    return [{"step": r["step"], "reference_step": r.get("baseline_step"), **{k: r.get(k) for k in keys}}
             for r in recs if r.get("kl_base") is not None]
+
+
+def predicates(rec: dict[str, Any]) -> dict[str, Any]:
+    """The three predicates of a post-training gate (docs/policy.md#the-three-predicates)."""
+    return {"step": rec["step"], **{name: {"verdict": p["verdict"], "reason": p["reason"]}
+                                    for name, p in (rec.get("predicates") or {}).items()}}
 
 
 def cliff(rec: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +286,7 @@ def readiness(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Handoff readiness of the pretraining gates (docs/policy.md#lifecycle-phases)."""
     return [{"step": r["step"], "status": r["status"], "stage": r["stage"], "ready": r["handoff"]["ready"],
              "stable_gates": r["handoff"]["stable_gates"], "margin": r["handoff"]["margin"],
+             "reference": r["handoff"].get("reference"), "basis": r["handoff"].get("basis"),
              "reasons": r["handoff"]["reasons"]} for r in recs if r.get("phase") == "pretraining" and r.get("handoff")]
 
 
@@ -302,14 +356,14 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
     _, weights = train(healthy, None, streams, canary, out, trackers=trackers, seed=seed)
     print(f"== {stress.name}: {stress.steps} steps on {stress.domain} from the step-{healthy.resume_at} weights, "
           f"experts+router frozen, fresh optimizer at lr {stress.lr:g}", flush=True)
-    branch = BranchAtIntervene(out / stress.name)
+    branch = BranchAtEscalation(out / stress.name)
     stressed_model, _ = train(stress, weights, streams, canary, out, trackers=trackers, seed=seed,
                               extra_callbacks=(branch,))
-    if branch.weights is None:  # the policy never said intervene: the last stressed weights are the stressed state
+    if branch.weights is None:  # the policy never escalated: the last stressed weights are the stressed state
         branch.step = records(out / stress.name)[-1]["step"]
         branch.weights = {k: v.detach().clone() for k, v in stressed_model.model.state_dict().items()}
     print(f"== {fix.name}: {fix.steps} steps on {fix.domain} from the stressed step-{branch.step} weights (its first "
-          f"intervene gate), router and experts trainable, load-balancing weight {fix.aux:g}, lr {fix.lr:g}", flush=True)
+          f"gate on alert or beyond), router and experts trainable, load-balancing weight {fix.aux:g}, lr {fix.lr:g}", flush=True)
     train(fix, branch.weights, streams, canary, out, trackers=trackers, seed=seed)
     if extras:
         compare_checkpoints(weights, stressed_model, canary, out)
@@ -326,6 +380,7 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
                "protected": protected(out),
                "param_drift": {name: recs[-1].get("param_drift") for name, recs in results.items()},
                "base_damage": {name: base_damage(recs) for name, recs in results.items()},
+               "predicates": {name: predicates(recs[-1]) for name, recs in results.items()},
                "judge": judge_intervention(out, branch.step),
                "cliff": {name: cliff(recs[-1]) for name, recs in results.items()},
                "wall_time_s": round(time.perf_counter() - t0, 1), "cpu_time_s": round(time.process_time() - c0, 1)}
@@ -340,7 +395,8 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
     last = summary["pretraining"][-1]
     print(f"\n== handoff readiness at the end of pretraining (step {last['step']}): "
           f"{'ready' if last['ready'] else 'not ready'}, handoff margin "
-          f"{'n/a' if last['margin'] is None else format(last['margin'], '+.4f')} (vs the previous gate)")
+          f"{'n/a' if last['margin'] is None else format(last['margin'], '+.4f')} "
+          f"(against {last['reference'] or 'no declared reference'}); basis: {last['basis']}")
     for reason in last["reasons"]:
         print(f"   - {reason}")
     d = summary["stressed"]
@@ -362,11 +418,20 @@ def run(out: Path, quick: bool = False, seed: int = 0, trackers: bool = True, ex
         print(f"{name:12s} step {c['step']:4d}  ov_cf {' '.join(f'{v:.3f}' for v in c['profile'])}  terminal jump "
               f"{c['terminal_jump']:+.3f} {_ci(c['terminal_jump_ci'])}" + (f"  ({c['note']})" if c["note"] else ""))
     print("\n== base-domain damage: KL(reference || now) on the canary (bounded, top-32 of the reference kept in its "
-          "baseline) and the canary NLL change, per gate against its reference")
+          "baseline) and the canary NLL change, per gate against its baseline and, in post-training, since the base "
+          "(kept across resumes)")
     for name, rows in summary["base_damage"].items():
         print(f"{name:12s} " + "; ".join(
-            f"{r['step']}: KL {r['kl_base']:.4f} {_ci(r['kl_base_ci'])} dNLL {_signed(r['canary_nll_delta'])}"
+            f"{r['step']}: KL {r['kl_base']:.4f} {_ci(r['kl_base_ci'])} dNLL {_signed(r['canary_nll_delta'])} "
+            f"(vs {r['reference_step']})" + (
+                f", since the base ({r['base_step']}) KL {r['kl_base_cumulative']:.4f} dNLL "
+                f"{_signed(r['canary_nll_delta_cumulative'])}" if r.get("base_step") is not None else "")
             for r in rows))
+    print("\n== the three predicates at each run's last gate")
+    for name, p in summary["predicates"].items():
+        for key in ("protected_rewrite", "base_damage", "knowledge_expansive"):
+            if key in p:
+                print(f"{name:12s} step {p['step']:4d}  {key:20s} {p[key]['verdict']:12s} {p[key]['reason']}")
     j = summary["judge"]
     print(f"\n== judge verdict on the intervention: {j['verdict']}"
           + (f" (failing: {', '.join(j['failing'])})" if j["failing"] else "")

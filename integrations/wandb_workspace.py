@@ -89,7 +89,10 @@ def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROU
     return [
         SectionSpec("atlas: verdict", (
             _line("status (BASELINE 0, GREEN 1, YELLOW 2, RED 3)", "status_code"),
-            _line("stage (baseline 0 ... intervene 6)", "stage_code"),
+            _line("stage (baseline 0 ... intervene 6; pretraining: forming 7, ready 8, collapse 9, stable 10)",
+                  "stage_code"),
+            _line("post-training predicates: protected-atlas rewrite, base-domain damage (pass 0, at risk 1, fail 2)",
+                  "predicate/protected_rewrite", "predicate/base_damage"),
             _line("validation loss", "loss"),
             _line("C2 (all layers, protected layers)", "c2", "c2_protected"),
             PanelSpec("table", "last gate: status, stage, action", ("atlas/gate",)),
@@ -114,6 +117,8 @@ def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROU
             _line("handoff and refinement margins (positive: inside)", "handoff_margin", "refine_margin"),
             _line("base-domain damage: bounded KL(base || now), canary NLL minus the baseline's", "kl_base",
                   "canary_nll_delta"),
+            _line("base-domain damage since the post-training base (across resumes): bounded KL, canary NLL change",
+                  "kl_base_cumulative", "canary_nll_delta_cumulative"),
             *param_panels,
             _line("gate wall time (s)", "gate_seconds"),
         )),

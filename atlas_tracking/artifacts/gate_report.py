@@ -179,7 +179,7 @@ def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[st
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
     problems = []
-    for key in (*fields(Margins), "handoff_layer", "refine_layer", *DELTA_FIELDS, *BASE_DAMAGE_KEYS):
+    for key in (*fields(Margins), *DELTA_FIELDS, *BASE_DAMAGE_KEYS):
         if key in (*BASE_DAMAGE_KEYS, "refine_reference", "refine_margin_ci") and key not in stored:
             continue  # an artifact written before base-domain damage and the post-training base were measured
         if not _close(stored.get(key), fresh[key]):

@@ -41,6 +41,8 @@ from atlas_tracking.schema.record import (
     VERDICT_CODES,
     GateRecord,
     LayerRecord,
+    Margins,
+    fields,
 )
 
 
@@ -95,10 +97,7 @@ def gate_record(
     }
     record.update({k: s[k] for k in CLIFF_FIELDS if k in s})
     if report.drift is not None:
-        record["handoff_margin"] = report.drift["handoff_margin"]
-        record["refine_margin"] = report.drift["refine_margin"]
-        record["refine_margin_ci"] = report.drift["refine_margin_ci"]
-        record["refine_reference"] = report.drift["refine_reference"]
+        record.update({k: report.drift[k] for k in fields(Margins)})  # type: ignore[misc]
         record.update({k: report.drift[k] for k in DELTA_FIELDS})  # type: ignore[misc]
         record.update({k: report.drift.get(k) for k in BASE_DAMAGE_FIELDS if k in report.drift})
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")

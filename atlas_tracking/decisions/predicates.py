@@ -7,9 +7,10 @@ An operator needs three explicit verdicts beside the staged escalation:
   ``fail`` when it is below 0 and its window-bootstrap CI lies below 0, ``at risk`` when it is below 0 but its
   CI reaches 0, ``pass`` when it is at least 0.
 - **base-domain damage**: has the model lost what the base knew on the canary? The cumulative damage since the
-  post-training base (across every resume): ``kl_base_cumulative`` above ``policy.damage_kl_tol`` or
-  ``canary_nll_delta_cumulative`` above ``policy.damage_nll_tol``, with the CI excluding 0 (``fail``); beyond a
-  tolerance with a CI that reaches 0 is ``at risk``; otherwise ``pass``.
+  post-training base (across every resume): ``canary_nll_delta_cumulative`` above ``policy.damage_nll_tol``, or
+  ``kl_base_cumulative`` above ``policy.damage_kl_tol`` while the canary NLL did not improve, with the CI
+  excluding 0 (``fail``); beyond a tolerance with a CI that reaches 0 is ``at risk``; otherwise ``pass``. A KL
+  with a canary NLL that improved (its CI below 0) is a move on the base domain, not damage.
 - **knowledge-expansive**: a verdict between runs, not within one: a chart-preserving candidate is "not yet"
   knowledge-expansive while a broader run reaches the target it misses. ``atlas-tracking judge`` reads it from the
   runs' records; a gate records where to get it.
@@ -73,34 +74,43 @@ def protected_rewrite(record: dict[str, Any], use_ci: bool = True) -> dict[str, 
 def base_damage(record: dict[str, Any], kl_tol: float, nll_tol: float, use_ci: bool = True) -> dict[str, Any]:
     """The cumulative base-domain damage's verdict (KL to the base and canary NLL since the base).
 
+    The KL says how far the next-token distribution moved on the base domain, not in which direction: a move
+    that lowered the canary NLL (its CI below 0) is learning, not damage, and the KL alone does not fail it.
+
     >>> base_damage({"kl_base_cumulative": 0.01, "kl_base_cumulative_ci": [0.005, 0.02],
     ...              "canary_nll_delta_cumulative": -0.01, "canary_nll_delta_cumulative_ci": [-0.02, 0.0]},
     ...             0.05, 0.05)["verdict"]
     'pass'
+    >>> base_damage({"kl_base_cumulative": 0.15, "kl_base_cumulative_ci": [0.13, 0.16],
+    ...              "canary_nll_delta_cumulative": -0.06, "canary_nll_delta_cumulative_ci": [-0.08, -0.04]},
+    ...             0.05, 0.05)["reason"]
+    'base-domain damage since the base (step None) inside the tolerances (KL(base || now) +0.1500 > 0.05, but the canary NLL improved: a move, not damage)'
     """
-    axes = []
-    for key, tol, what in (("kl_base_cumulative", kl_tol, "KL(base || now)"),
-                           ("canary_nll_delta_cumulative", nll_tol, "canary NLL change")):
-        value, ci = finite_number(record.get(key)), _ci(record.get(f"{key}_ci"))
-        if value is not None:
-            axes.append((what, value, ci, tol))
-    out: dict[str, Any] = {"base_step": record.get("base_step"),
-                           "kl": finite_number(record.get("kl_base_cumulative")),
-                           "nll_delta": finite_number(record.get("canary_nll_delta_cumulative")),
-                           "kl_tol": kl_tol, "nll_tol": nll_tol}
-    if not axes:
+    kl, kl_ci = finite_number(record.get("kl_base_cumulative")), _ci(record.get("kl_base_cumulative_ci"))
+    nll, nll_ci = (finite_number(record.get("canary_nll_delta_cumulative")),
+                   _ci(record.get("canary_nll_delta_cumulative_ci")))
+    out: dict[str, Any] = {"base_step": record.get("base_step"), "kl": kl, "nll_delta": nll, "kl_tol": kl_tol,
+                           "nll_tol": nll_tol}
+    if kl is None and nll is None:
         return {**out, "verdict": "not measured", "reason": "no damage since the post-training base at this gate "
                 "(pretraining, a baseline, or no base yet)"}
-    beyond = [(what, value, ci, tol) for what, value, ci, tol in axes if value > tol]
+    improved = nll is not None and nll < 0 and (not use_ci or nll_ci is None or nll_ci[1] < 0)
+    axes = [(what, value, ci, tol) for what, value, ci, tol in (("KL(base || now)", kl, kl_ci, kl_tol),
+                                                                  ("canary NLL change", nll, nll_ci, nll_tol))
+            if value is not None and value > tol]
+    moved = [a for a in axes if a[0].startswith("KL")] if improved else []
+    beyond = [a for a in axes if a not in moved]
     sure = [a for a in beyond if not use_ci or a[2] is None or a[2][0] > 0]
-    since = f" since the base (step {out['base_step']})"
+    since = f"base-domain damage since the base (step {out['base_step']})"
+    note = (f" ({moved[0][0]} {moved[0][1]:+.4f} > {moved[0][3]:g}, but the canary NLL improved: a move, not damage)"
+            if moved else "")
     if sure:
         text = "; ".join(f"{what} {value:+.4f} > {tol:g}" for what, value, _, tol in sure)
-        return {**out, "verdict": "fail", "reason": f"base-domain damage{since}: {text}, CI excluding 0"}
+        return {**out, "verdict": "fail", "reason": f"{since}: {text}, CI excluding 0"}
     if beyond:
         text = "; ".join(f"{what} {value:+.4f} > {tol:g} (CI reaches 0)" for what, value, _, tol in beyond)
-        return {**out, "verdict": "at risk", "reason": f"base-domain damage{since}: {text}"}
-    return {**out, "verdict": "pass", "reason": f"base-domain damage{since} inside the tolerances"}
+        return {**out, "verdict": "at risk", "reason": f"{since}: {text}"}
+    return {**out, "verdict": "pass", "reason": f"{since} inside the tolerances{note}"}
 
 
 def knowledge_expansive() -> dict[str, Any]:

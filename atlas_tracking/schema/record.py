@@ -270,6 +270,10 @@ class Margins(TypedDict, total=False):
     """Min over the protected layers of lam1 (c2 - c2_ref) + lam2 (rho - 1)."""
     refine_margin: Annotated[float | None, Metric()]
     """tau - max over the protected layers of mu1 boundary + mu2 content + mu3 (1 - rho)."""
+    handoff_layer: str | None
+    """The protected layer that sets ``handoff_margin``."""
+    refine_layer: str | None
+    """The protected layer that sets ``refine_margin``."""
     refine_margin_ci: list[float] | None
     """Window-bootstrap CI of ``refine_margin`` (drift and expert loads of the protected layers resampled)."""
     refine_reference: str
@@ -429,7 +433,7 @@ def fields(cls: type) -> tuple[str, ...]:
     """The keys a section declares, in order.
 
     >>> fields(Margins)
-    ('handoff_margin', 'refine_margin', 'refine_margin_ci', 'refine_reference')
+    ('handoff_margin', 'refine_margin', 'handoff_layer', 'refine_layer', 'refine_margin_ci', 'refine_reference')
     """
     return tuple(_hints(cls))
 

@@ -38,7 +38,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
     """The docstring written under each attribute of a class body (dataclasses, TypedDicts, enums).
 
     >>> list(attribute_docs(record_schema.Margins))
-    ['handoff_margin', 'refine_margin', 'refine_margin_ci', 'refine_reference']
+    ['handoff_margin', 'refine_margin', 'handoff_layer', 'refine_layer', 'refine_margin_ci', 'refine_reference']
     >>> attribute_docs(record_schema.Summary)["c2"]
     'Mean C2 over the routed layers.'
     """

@@ -1,11 +1,13 @@
 """The main job, shortened: what the demo is for, on three seeds, not one machine's exact stage path.
 
 Pretraining from random weights reads ``pretraining`` (no YELLOW/RED, no WARN/ERROR stage alert,
-handoff readiness on every gate); the control continuation stays GREEN / clean after its resume
-baseline; the stressed run improves its loss while C2, dead experts, entropy and CV degrade, and
-reaches intervene with a WARN before an ERROR; the intervention branches from the stressed run's first
-intervene gate and the judge's verdict (whatever it is) is printed and agrees with the command line's.
-Seed 0 runs with the trackers and the report; two more seeds run bare.
+handoff readiness on every gate, against the pinned healthy reference once it exists); the control
+continuation stays GREEN / clean after each of its two resume baselines, and its last gate reports the
+base damage since the handoff's base beside the damage since its baseline; the stressed run improves its
+loss while C2, dead experts, entropy and CV degrade, revokes with a WARN and never reads clean again, and
+escalates only as Table 13 says; the intervention branches from the stressed run's first gate on alert or
+beyond and the judge's verdict (whatever it is) is printed and agrees with the command line's. Seed 0 runs
+with the trackers and the report; two more seeds run bare.
 """
 
 from __future__ import annotations
@@ -54,24 +56,44 @@ def check_pretraining(out: Path) -> None:
     assert len(pre) >= 3 and all(r["phase"] == "pretraining" for r in pre)
     assert [r["status"] for r in pre[1:]] == ["GREEN"] * (len(pre) - 1)
     assert not set(stage_alerts(pre)) & {"WARN", "ERROR"}
-    assert all(r["stage"] in ("forming", "ready") for r in pre[1:])
+    assert all(r["stage"] in ("forming", "stable", "ready") for r in pre[1:])
     for prev, r in pairwise(pre):  # the reference rolls forward: each gate against the one before
         assert r["baseline_step"] == prev["step"] and r["handoff"]["reference_step"] == prev["step"]
         assert isinstance(r["handoff"]["ready"], bool) and isinstance(r["handoff"]["margin"], float)
         assert r["handoff"]["ready"] == (r["handoff"]["reasons"] == [])
     assert pre[-1]["loss"] < pre[1]["loss"]
+    # the pinned gate (the one before the handoff) is the declared healthy reference from the gate after it on
+    pinned = pre[-2]["step"]
+    assert all(r.get("handoff_reference") is None for r in pre[:-1])
+    assert pre[-1]["handoff_reference"].endswith(f"receipts/step_{pinned:08d}.json")
+    assert pre[-1]["handoff"]["basis"].startswith("handoff margin >= 0 against the declared reference")
+    assert pre[-2]["handoff"]["basis"] == "stability only (no healthy reference declared)"
 
 
 def check_control(out: Path) -> None:
     recs = _records(out, "healthy")
     resumed = [i for i, r in enumerate(recs) if r.get("resume")]
-    assert len(resumed) == 1
-    base = recs[resumed[0]]
+    assert len(resumed) == 2
+    base, second = recs[resumed[0]], recs[resumed[1]]
     assert (base["status"], base["phase"], base["phase_before_resume"]) == ("BASELINE", "post_training", "pretraining")
-    after = recs[resumed[0] + 1 :]
-    assert len(after) == 2 and all((r["status"], r["stage"]) == ("GREEN", "clean") for r in after)
-    assert all(r["baseline_step"] == base["step"] and r["phase"] == "post_training" for r in after)
+    assert (second["status"], second["phase"], second.get("phase_before_resume")) == (
+        "BASELINE", "post_training", None)
+    after = [r for r in recs[resumed[0]:] if r["status"] != "BASELINE"]
+    assert [recs.index(r) for r in after] == [resumed[0] + 1, resumed[1] + 1]
+    assert all((r["status"], r["stage"]) == ("GREEN", "clean") for r in after)
+    assert all(r["phase"] == "post_training" for r in after)
     assert stage_alerts(after) == []
+    # the base is the handoff's across the second resume: the damage since the base accumulates beside the damage
+    # since the baseline (plain arithmetic on the records for the canary NLL)
+    last = recs[-1]
+    assert (last["baseline_step"], last["base_step"]) == (second["step"], base["step"])
+    assert last["canary_nll_delta_cumulative"] == pytest.approx(last["canary_nll"] - base["canary_nll"], abs=1e-9)
+    assert last["canary_nll_delta"] == pytest.approx(last["canary_nll"] - second["canary_nll"], abs=1e-9)
+    assert last["kl_base_cumulative"] > last["kl_base"] > 0
+    assert last["refine_reference"] == f"the post-training base (step {base['step']})"
+    assert set(last["predicates"]) == {"protected_rewrite", "base_damage", "knowledge_expansive"}
+    # the control continues on the prose it learnt: its canary NLL improves since the base, so no base damage
+    assert last["predicates"]["base_damage"]["verdict"] != "fail"
     # the handoff chooses the protected set once, from the pretraining gates; the continuation holds it
     pre_steps = [r["step"] for r in recs[1 : resumed[0]]]
     assert base["protected_source"] == (
@@ -87,10 +109,22 @@ def check_stressed(out: Path) -> None:
     assert post[-1]["loss"] < post[0]["loss"]
     assert post[-1]["c2"] < base["c2"] and post[-1]["dead_experts"] > base["dead_experts"]
     assert post[-1]["min_entropy"] < base["min_entropy"] and post[-1]["mean_cv"] > base["mean_cv"]
-    assert "intervene" in [r["stage"] for r in post]
+    # revoked at the first bad gate, never clean again; escalation only as Table 13 says: two worse gates with
+    # the same occupancy pathology before intervene, a persistent plateau stays on alert
+    assert post[0]["stage"] == "revoked" and post[0]["rule"].startswith("Table 13 row 1")
+    assert all(r["stage"] in ("revoked", "alert", "prepare", "intervene") for r in post)
     assert all(r["status"] in ("YELLOW", "RED") for r in post)
+    for prev, r in pairwise(post):
+        if r["stage"] == "prepare" and prev["stage"] != "prepare":
+            assert r["rule"].startswith("Table 13 row 3")
+        if r["stage"] == "intervene" and prev["stage"] != "intervene":
+            assert prev["stage"] == "prepare" and r["rule"].startswith("Table 13 row 3: two subsequent worse gates")
     levels = stage_alerts(post)
-    assert levels[0] == "WARN" and "ERROR" in levels
+    assert levels[0] == "WARN" and ("ERROR" in levels) == ("intervene" in [r["stage"] for r in post])
+    # the three predicates: frozen experts and router leave the protected atlas unrewritten (the damage is in how
+    # it is queried), while the base domain is damaged since the base
+    assert all(r["predicates"]["protected_rewrite"]["verdict"] == "pass" for r in post)
+    assert post[-1]["predicates"]["base_damage"]["verdict"] == "fail"
     # parameter drift, the contrast surface: experts and router were frozen, so not one of their elements moved
     drift = post[-1]["param_drift"]["groups"]
     assert drift["experts"]["moved"] == 0 and drift["router"]["moved"] == 0
@@ -112,7 +146,7 @@ def check_intervention(out: Path) -> None:
     stressed, recs = _records(out, "stressed"), _records(out, "intervention")
     summary = json.loads((out / "summary.json").read_text())
     branch = summary["judge"]["branch_step"]
-    assert branch == next(r["step"] for r in stressed if r["stage"] == "intervene")  # the first intervene gate
+    assert branch == next(r["step"] for r in stressed if r["stage"] in ("alert", "prepare", "intervene"))
     at_branch = next(r for r in stressed if r["step"] == branch)
     assert recs[0]["status"] == "BASELINE" and recs[0]["step"] == 0 and len(recs) == 4
     # the intervention's baseline measures the branch weights: the stressed gate's receipts, within float noise
@@ -179,7 +213,7 @@ def test_other_seeds_read_the_same(seed, tmp_path):
 
 
 @pytest.mark.slow
-def test_intervention_branches_at_the_first_intervene_gate_and_is_judged(demo_out):
+def test_intervention_branches_at_the_first_escalated_gate_and_is_judged(demo_out):
     check_intervention(demo_out)
 
 
@@ -189,7 +223,8 @@ def test_trackers_hold_the_gates(demo_out):
     stressed = _records(demo_out, "stressed")
     assert summary["mlflow/stressed"][0]["atlas.stage"] == stressed[-1]["stage"]
     assert summary["wandb/stressed"][0]["atlas_rows"] == len(stressed)
-    assert any("intervene" in t for t in summary["wandb/stressed"][0]["alerts"])
+    assert any("entered revoked" in t for t in summary["wandb/stressed"][0]["alerts"])
+    assert any("base-domain damage" in t for t in summary["wandb/stressed"][0]["alerts"])
 
 
 def _chromium() -> str:

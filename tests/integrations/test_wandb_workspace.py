@@ -17,12 +17,13 @@ from atlas_tracking.integrations.wandb_workspace import (
 
 from atlas_tracking.cli import main
 from atlas_tracking.gate import AtlasGate
-from atlas_tracking.testing.tiny import QUIET, tiny_canary, tiny_module
+from atlas_tracking.testing.tiny import POST_TRAINING, tiny_canary, tiny_module
 
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
-    """A real offline W&B run holding two gates (a baseline and one gate against it), read back."""
+    """A real offline W&B run holding two post-training gates (a baseline and one gate against it, so every key of
+    the layout, the predicates' included, is logged), read back."""
     import wandb
     from atlas_tracking.integrations.wandb import WandbSink
 
@@ -34,7 +35,8 @@ def logged_run(tmp_path_factory):
         mp.setenv("WANDB_SILENT", "true")
         run = wandb.init(project="atlas-test", dir=str(tmp), mode="offline")
         module = tiny_module()
-        gate = AtlasGate(module.model, tiny_canary(), QUIET, out_dir=tmp / "atlas", sinks=[WandbSink(run=run)])
+        gate = AtlasGate(module.model, tiny_canary(), POST_TRAINING, out_dir=tmp / "atlas",
+                         sinks=[WandbSink(run=run)])
         gate.run(0, loss=4.0)
         with torch.no_grad():
             module.model.model.layers[0].mlp.gate.weight.mul_(3.0)  # move the router so drift keys are non-zero

@@ -33,6 +33,8 @@ def test_a_negative_margin_with_a_ci_reaching_zero_fails_without_the_ci_rule():
     (0.08, [-0.01, 0.2], 0.0, [-0.01, 0.01], "at risk"),   # beyond, but the CI reaches 0
     (0.01, [0.0, 0.02], 0.07, [0.02, 0.12], "fail"),       # the NLL axis alone
     (None, None, 0.07, [0.02, 0.12], "fail"),              # a base saved without log-probabilities: NLL only
+    (0.15, [0.13, 0.16], -0.06, [-0.08, -0.04], "pass"),   # moved, but the canary NLL improved: learning
+    (0.15, [0.13, 0.16], -0.06, [-0.08, 0.01], "fail"),    # moved, and the NLL did not surely improve
     (None, None, None, None, "not measured")])
 def test_base_damage_reads_the_cumulative_damage_and_its_ci(kl, kl_ci, nll, nll_ci, verdict):
     rec = {"kl_base_cumulative": kl, "kl_base_cumulative_ci": kl_ci, "canary_nll_delta_cumulative": nll,
