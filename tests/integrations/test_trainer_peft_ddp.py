@@ -73,7 +73,8 @@ def test_lora_on_the_experts_moves_c2_and_content_drift_with_routing_drift_zero(
     # W + BA merged against W with BA applied in the forward, so within the world-size tolerances)
     baseline = Baseline.load(out / "atlas" / "baseline")
     merged = peft_model.merge_and_unload()
-    again = json.loads(measure(merged, tiny_canary(), baseline=baseline, config=AtlasConfig.coerce(QUIET)).to_json())
+    again = json.loads(measure(merged, tiny_canary(), baseline=baseline, base=baseline,  # the run's base is its baseline
+                               config=AtlasConfig.coerce(QUIET)).to_json())
     gate = (out / "atlas" / "receipts" / "step_00000006.json").read_text().replace(PEFT_PREFIX, "")
     assert_within_tolerance(json.loads(gate), again)
 
@@ -108,10 +109,11 @@ def test_ddp_on_two_processes_gates_within_the_world_size_tolerance_of_one_proce
     from safetensors.torch import load_model
 
     config = AtlasConfig.coerce(DDP_CONFIG)
-    first = measure(tiny_model(aux_coef=0.0), tiny_canary(), config=config)
+    first = measure(tiny_model(aux_coef=0.0), tiny_canary(), config=config, step=0)
     trained = tiny_model(aux_coef=0.0)
     load_model(trained, str(out / "weights.safetensors"))
-    last = measure(trained, tiny_canary(), baseline=Baseline.from_report(first), config=config)
+    base = Baseline.from_report(first)
+    last = measure(trained, tiny_canary(), baseline=base, base=base, config=config)  # the run's base is its baseline
     receipts = out / "atlas" / "receipts"
     assert_within_tolerance(json.loads(first.to_json()), json.loads((receipts / "step_00000000.json").read_text()))
     assert_within_tolerance(json.loads(last.to_json()), json.loads((receipts / "step_00000006.json").read_text()))
