@@ -12,15 +12,14 @@ the ratio is of the medians, the fastest passes are kept beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from atlas_tracking import AtlasConfig, Baseline, measure
+from atlas_tracking.testing.bench import cpu_seconds, write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -45,12 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, cfg in cfgs.items():
         baselines[k] = Baseline.from_report(measure(model, canary, config=cfg))
         sizes[k] = _size(baselines[k].save(tmp / f"k{k}"))
-    times: dict[str, list[float]] = {"gate_with_baseline_no_kl": [], "gate_with_baseline_kl_top_k_32": []}
-    for _ in range(args.repeats):
-        for name, k in (("gate_with_baseline_no_kl", 0), ("gate_with_baseline_kl_top_k_32", 32)):
-            t0 = time.process_time()
-            measure(model, canary, baseline=baselines[k], config=cfgs[k])
-            times[name].append(time.process_time() - t0)
+    times = cpu_seconds({
+        "gate_with_baseline_no_kl": lambda: measure(model, canary, baseline=baselines[0], config=cfgs[0]),
+        "gate_with_baseline_kl_top_k_32": lambda: measure(model, canary, baseline=baselines[32], config=cfgs[32]),
+    }, args.repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
     best = {name: min(t) for name, t in times.items()}
     tokens = canary.n_windows * (canary.window - 1)
@@ -66,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": 1,
         "repeats": args.repeats,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 

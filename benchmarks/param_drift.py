@@ -10,7 +10,6 @@ wall time carries the others' load); the ratio is of the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from atlas_tracking import AtlasConfig, Baseline, measure
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.engine.param_reference import ParamReference
+from atlas_tracking.testing.bench import write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": 1,
         "repeats": args.repeats,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 

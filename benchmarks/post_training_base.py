@@ -14,14 +14,13 @@ process (``time.process_time``); the ratio is of the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from atlas_tracking import AtlasConfig, Baseline, measure
+from atlas_tracking.testing.bench import cpu_seconds, write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -48,14 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     base = Baseline.from_report(measure(model, canary, config=cfg, step=0))
     baseline = Baseline.from_report(measure(_moved(model, 1), canary, config=cfg, step=100))
     _moved(model, 2)
-    runs = {"baseline_only": {"baseline": baseline},
-            "baseline_and_base": {"baseline": baseline, "base": base}}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, refs in runs.items():
-            t0 = time.process_time()
-            measure(model, canary, config=cfg, step=200, **refs)
-            times[name].append(time.process_time() - t0)
+    times = cpu_seconds({
+        "baseline_only": lambda: measure(model, canary, config=cfg, step=200, baseline=baseline),
+        "baseline_and_base": lambda: measure(model, canary, config=cfg, step=200, baseline=baseline, base=base),
+    }, args.repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "model": "demo Qwen3-MoE (d=64, 4 routed layers, E=32, k=2, vocabulary 256), random init, moved",
@@ -66,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": 1,
         "repeats": args.repeats,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 
