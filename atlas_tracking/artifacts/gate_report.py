@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.io import check_header, jsonable, write_atomic
+from atlas_tracking.receipts.windows import RANGES
 from atlas_tracking.schema.artifacts import (
     BASE_DAMAGE_KEYS,
+    DRIFT_KIND,
     EXACT_ONLY,
     RECEIPTS_KIND,
     RECEIPTS_SCHEMA_VERSION,
@@ -115,6 +119,17 @@ def read_artifact(path: str | Path) -> dict[str, Any]:
 
 
 def check_artifact(data: Any, where: str = "receipts artifact") -> None:
+    """A receipts artifact's header and sections; a ``compare`` artifact is named as one.
+
+    >>> check_artifact({"kind": "atlas-drift"}, "drift.json")
+    Traceback (most recent call last):
+    ...
+    atlas_tracking.artifacts.gate_report.ArtifactError: drift.json is a compare artifact (kind 'atlas-drift', written by `atlas-tracking compare`, which prints its drift table; fields: docs/cli.md#compare), not receipts: `report` and `verify` read a receipts JSON (`atlas-tracking measure --out`) or a run directory
+    """
+    if isinstance(data, dict) and data.get("kind") == DRIFT_KIND:
+        raise ArtifactError(f"{where} is a compare artifact (kind {DRIFT_KIND!r}, written by `atlas-tracking compare`, "
+                            "which prints its drift table; fields: docs/cli.md#compare), not receipts: `report` and "
+                            "`verify` read a receipts JSON (`atlas-tracking measure --out`) or a run directory")
     check_header(data, RECEIPTS_KIND, RECEIPTS_SCHEMA_VERSION, where, ArtifactError)
     for key in ("canary", "model", "config", "layers", "summary", "per_window"):
         if key not in data:
@@ -164,6 +179,31 @@ def verify(data: dict[str, Any]) -> list[str]:
             problems.append(f"summary: {key} is {data['summary'].get(key)!r}, recomputed {value!r}")
     if len(data["layers"]) != len(layers):
         problems.append(f"{len(data['layers'])} layers stored, {len(layers)} recomputed")
+    return problems + _out_of_range(data)
+
+
+RANGE_SLACK = 1e-5
+"""Relative slack of a range check (float32 sums of per-token values that each lie in the range)."""
+
+
+def _out_of_range(data: dict[str, Any]) -> list[str]:
+    """Range-bounded receipts (``RANGES``) outside their range: each window's sum against its count, and
+    each layer's stored value (docs/receipts.md#precision)."""
+    problems = []
+    for stored, pw in zip(data["layers"], data["per_window"]["layers"]):
+        for key, (lo, hi) in RANGES.items():
+            value = stored["receipts"].get(key)
+            if value is not None and not lo - RANGE_SLACK <= value <= hi + RANGE_SLACK:
+                problems.append(f"{stored['name']}: {key} is {value!r}, outside [{lo:g}, {hi:g}]")
+            if key not in pw:
+                continue
+            sums, counts = (np.asarray(pw[key][part], dtype=np.float64) for part in ("sum", "count"))
+            slack = RANGE_SLACK * np.maximum(counts, 1.0)
+            bad = np.flatnonzero((sums < lo * counts - slack) | (sums > hi * counts + slack))
+            if bad.size:
+                w = int(bad[0])
+                problems.append(f"{stored['name']}: window {w} {key} mean {sums[w] / max(counts[w], 1):.6g} is "
+                                f"outside [{lo:g}, {hi:g}] ({bad.size} windows)")
     return problems
 
 

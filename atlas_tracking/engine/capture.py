@@ -9,6 +9,7 @@ whole canary has been processed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
+from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.engine.selfcheck import SelfCheck
 from atlas_tracking.engine.sharding import gathered
@@ -151,8 +153,19 @@ class FieldReceipts:
     """``[M]`` redundancy distance of ``e_k`` and the random competitor, at the boundary candidates."""
     anchors: list[torch.Tensor]
     """Tangent fields ``[A, k, d]`` of each anchor batch."""
-    out: torch.Tensor | None
-    """``[N, d]`` the layer's routed output ``sum_e w_e u_e`` when combine weights were given."""
+    outs: dict[str, torch.Tensor]
+    """``[N, d]`` the layer's routed output by each combine asked for (``engine/combine.py``), in the model's
+    arithmetic and the hidden states' dtype."""
+
+
+@dataclass
+class Handed:
+    """What the model handed its experts for the computed tokens (window-major): the combine's inputs."""
+
+    weights: torch.Tensor
+    index: torch.Tensor
+    dtype: torch.dtype
+    """The hidden states' dtype, which the model's combine returns."""
 
 
 @dataclass
@@ -250,9 +263,36 @@ class LayerCapture:
         self._own_forward: Any = None
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
+        self.combine: str | None = None if self.fused else UNFUSED
+        """How this layer's output comes about in this gate (``engine/combine.py``); chosen at its first call."""
+        acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
+                                                device=acc.device)
         self.check = SelfCheck(layer, acc)
         self._handles: list[Any] = []
+        self._autocast: tuple[str, bool, torch.dtype] = ("cpu", False, torch.bfloat16)
         self.calls = 0
+
+    # --- precision ---------------------------------------------------------------------------
+    def _own_arithmetic(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Atlas's arithmetic in fp32 whatever autocast the model runs under (docs/receipts.md#precision);
+        the model's own modules are called back inside :meth:`_model_arithmetic`."""
+        self._autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        return torch.autocast(device.type, enabled=False) if self._autocast[1] else contextlib.nullcontext()
+
+    def rank_violations(self, sm: SetMargin, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Tokens whose model choice is beaten by an unselected expert by more than the rounding of the precision
+        the model selected in (its gate input's dtype, or its autocast dtype): ``m < -eps (|s_k| + |s_k1|)``.
+        A model that ranks in bf16 may pick either of two scores that differ below its rounding."""
+        _, enabled, autocast = self._autocast
+        eps = max(torch.finfo(t).eps for t in (dtype, *((autocast,) if enabled else ())))
+        s_k, s_k1 = (scores.gather(1, e.view(-1, 1)).squeeze(1) for e in (sm.e_k, sm.e_k1))
+        scale = torch.nan_to_num(s_k.abs() + s_k1.abs(), nan=0.0, posinf=0.0)
+        return sm.margin < -eps * scale
+
+    def _model_arithmetic(self) -> contextlib.AbstractContextManager:
+        """The autocast context the model's forward ran in, for calls of its own modules from a hook."""
+        device_type, enabled, dtype = self._autocast
+        return torch.autocast(device_type, dtype=dtype) if enabled else contextlib.nullcontext()
 
     # --- hook plumbing -------------------------------------------------------------------------
     def attach(self) -> None:
@@ -304,8 +344,9 @@ class LayerCapture:
         try:
             out = self.layer.block_output(output)
             with self._parameters():
-                self.compute(self._x, self._g, self._router_out, out, self._stash)
-                if self.batch.keep:
+                with self._own_arithmetic(out.device):
+                    self.compute(self._x, self._g, self._router_out, out, self._stash)
+                if self.batch.keep:  # the model's own modules, in the model's autocast context
                     self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
                                        (self.batch.start, self.batch.end), self.batch.size)
         finally:
@@ -314,27 +355,48 @@ class LayerCapture:
 
     def _fused_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active
-        set, the adjacent and the random competitors (and the anchors) in as many calls as keep each
-        within the forward's own expert rows; the active fields are reduced to the receipts and
-        combined with the model's weights (in fp32) as the layer output (zero on padding rows)."""
+        """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active set,
+        the adjacent and the random competitors (and the anchors) in as many calls as keep each within the
+        forward's own expert rows, and the active fields are reduced to the receipts.
+
+        The output is the model's own, bit for bit: at the layer's first call the experts' own forward runs
+        too, and a combine of the active fields is kept only if it equals that output exactly; otherwise
+        every call returns the experts' own forward, as does a call with padding rows (whose fields are not
+        evaluated; docs/receipts.md#precision).
+        """
         self.check.experts_call(hidden_states, top_k_index, top_k_weights)
-        with torch.no_grad(), self._parameters():
+        own = None
+        padded = hidden_states.shape[0] != self.n_windows * self.acc.window
+        if self.combine in (None, OWN) or padded:  # padding rows have no fields: the model's own call
+            own = self.layer.experts_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        combines = tuple(COMBINES) if self.combine is None else () if self.combine == OWN else (self.combine,)
+        with torch.no_grad(), self._parameters(), self._own_arithmetic(hidden_states.device):
             sel = self.select(self._router_out, hidden_states)
             x2 = self.window_major(self._x)
             zh = angular(x2.float())
             anchors = self.anchor_batches(x2, hidden_states.dtype)
-            fields = self.fields(sel, self.measured(hidden_states), zh, anchors, self.measured(top_k_weights))
+            handed = Handed(self.measured(top_k_weights), self.measured(top_k_index).long(), hidden_states.dtype)
+            fields = self.fields(sel, self.measured(hidden_states), zh, anchors, handed, combines)
             self._stash = (sel, anchors, fields)
-            out = fields.out.to(hidden_states.dtype)
-            if out.shape[0] == hidden_states.shape[0]:
-                return out
-            full = hidden_states.new_zeros((hidden_states.shape[0], out.shape[-1]))
-            index = self.token_index(out.device)
-            if index is None:
-                full[: out.shape[0]] = out
-                return full
-            return full.index_copy_(0, index, out)
+            if self.combine is None:
+                self.combine = self._first_combine(fields.outs, self.measured(own))
+        if self.batch.keep:
+            self.acc.arrays["layer_output"][self.batch.start : self.batch.end] = PATHS.index(self.combine)
+        if own is not None:
+            return own
+        out = fields.outs[self.combine]  # window-major: back to the native row order
+        index = self.token_index(out.device)
+        return out if index is None else torch.empty_like(out).index_copy_(0, index, out)
+
+    def _first_combine(self, outs: dict[str, torch.Tensor], own: torch.Tensor) -> str:
+        """The first combine equal to the model's own output bit for bit, else ``OWN``; under expert parallelism
+        every rank of the group takes the same (one host sync per layer and gate)."""
+        ok = torch.tensor([bool(torch.equal(outs[name], own)) for name in COMBINES], dtype=torch.int64)
+        placement = self.layer.expert_placement()
+        if placement is not None:
+            ok = ok.to(own.device)
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=placement[0])
+        return next((name for name, good in zip(COMBINES, ok.tolist()) if good), OWN)
 
     # --- receipts ---------------------------------------------------------------------------
     @property
@@ -399,12 +461,15 @@ class LayerCapture:
         if self.collect:
             z = rms_normalize(x2.index_select(0, loc), self.layer.norm_eps)
             g = (gamma * z).to(dtype)
-            routing = self.layer.route(g)
+            with self._model_arithmetic():
+                routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
         for target, ref in drifts:
             z0 = ref["z0"][a0:a1]
             g = (gamma * z0).to(dtype)
-            out.append(AnchorBatch(a0, loc, z0, g, self.layer.route(g), ref["R0"][a0:a1], collect=False, target=target))
+            with self._model_arithmetic():
+                routing = self.layer.route(g)
+            out.append(AnchorBatch(a0, loc, z0, g, routing, ref["R0"][a0:a1], collect=False, target=target))
         return out
 
     def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> list[torch.Tensor]:
@@ -412,7 +477,8 @@ class LayerCapture:
         each of its experts, written once into one buffer. Returns ``[R, m, d]`` per group. With no groups the
         call is empty (it keeps an expert-parallel group's exchanges in step); ``like`` gives width and dtype."""
         if not groups:
-            self.evaluator(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
+            with self._model_arithmetic():
+                self.evaluator(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
             return []
         sizes = [e.numel() for _, e in groups]
         first = groups[0][0]
@@ -420,11 +486,12 @@ class LayerCapture:
         for (rows, experts), part in zip(groups, torch.split(rows_all, sizes)):
             part.view(*experts.shape, -1).copy_(rows.unsqueeze(1).expand(*experts.shape, rows.shape[-1]))
         idx_all = torch.cat([e.reshape(-1) for _, e in groups])
-        u = torch.split(self.evaluator(rows_all, idx_all), sizes)
+        with self._model_arithmetic():
+            u = torch.split(self.evaluator(rows_all, idx_all), sizes)
         return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
 
     def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
-               weights: torch.Tensor | None = None) -> FieldReceipts:
+               handed: Handed | None = None, combines: tuple[str, ...] = ()) -> FieldReceipts:
         """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
 
         Per token: the active set and the adjacent competitor; at the boundary candidates, the random
@@ -435,6 +502,11 @@ class LayerCapture:
         the Gram matrix of the tangent fields, the distances and the jump from three ``[N, d]`` fields
         (tangent projection is linear). The evaluator sets the number of calls (under expert
         parallelism, the largest any rank of the group needs; the extra calls are empty).
+
+        With ``handed`` (the gate stands in for the experts' call), the active set is evaluated first, in one
+        call holding the rows of the model's own call in its order (so each expert's matmul sees the inputs it
+        sees in the model's call), and each of ``combines`` builds the layer's output from those fields in
+        the model's arithmetic; the chunked calls then hold the competitors only.
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
@@ -448,15 +520,24 @@ class LayerCapture:
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
         c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
         v_k = torch.empty(n, d, device=dev)
-        out = None if weights is None else torch.empty(n, d, device=dev)
+        active_u, outs = None, {}
+        if handed is not None:
+            (active_u,) = self._pair_call([(g2, handed.index)], g2)
+            outs = {name: COMBINES[name](active_u, handed.weights, handed.index, handed.dtype) for name in combines}
+            # each expert of the adapter's active set: its slot in the model's call
+            in_slots = (routing.active.unsqueeze(2) == handed.index.unsqueeze(1)).int().argmax(dim=2)
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
                 self._pair_call([], g2)
                 continue
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
-            u_groups = self._pair_call([(g2[t0:t1], chosen[t0:t1]), *(extra if t1 == n else [])], g2)
+            asked = chosen[t0:t1] if active_u is None else chosen[t0:t1, k:]
+            u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
             u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
+            if active_u is not None:
+                slots = in_slots[t0:t1].unsqueeze(-1).expand(-1, -1, d)
+                u = torch.cat([active_u[t0:t1].gather(1, slots).float(), u], dim=1)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
                                                    cfg.eps_kappa)
             u_k = u.gather(1, pos_k[t0:t1].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
@@ -465,8 +546,6 @@ class LayerCapture:
             field = tangent_project(torch.bmm(rho.unsqueeze(1), u[:, :k]).squeeze(1), z)
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
-            if out is not None:
-                out[t0:t1] = torch.bmm(weights[t0:t1].float().unsqueeze(1), u[:, :k]).squeeze(1)
             if t1 == n:
                 u_rand, *u_anchors = u_groups[1:]
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
@@ -474,7 +553,7 @@ class LayerCapture:
             c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
             d_rand=redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d),
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
-            out=out,
+            outs=outs,
         )
 
     @torch.no_grad()
@@ -501,15 +580,16 @@ class LayerCapture:
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
-        y_post = layer.norm.forward(x2 + out2)
-        ov = set_overlap(routing.active, layer.route(y_post).active)
+        with self._model_arithmetic():
+            post = layer.route(layer.norm.forward(x2 + out2)).active
+        ov = set_overlap(routing.active, post)
 
         # every per-window sum and count of the micro-batch in two masked reductions
         rows, arr = slice(w0, w1), acc.arrays
         masks = torch.stack([
             valid, fr.c2_ok, torch.ones_like(valid), in_b, valid & ~in_b,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
-            ~valid, (sm.margin < 0) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
+            ~valid, self.rank_violations(sm, routing.scores, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
         ])
         n_means = len(_TOKEN_MEANS)
         values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()

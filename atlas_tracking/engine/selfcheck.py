@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from atlas_tracking.engine.combine import PATHS
 from atlas_tracking.receipts.geometry import rms_normalize
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
@@ -179,8 +180,9 @@ class SelfCheck:
 
 
 def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
-    """One layer's worst error per check over the canary (None where not measured), the tolerance, and
-    the share of tokens whose model choice is not a top-k of the adapter's scores."""
+    """One layer's worst error per check over the canary (None where not measured), the tolerance, the
+    share of tokens whose model choice is not a top-k of the adapter's scores, and how the layer's output
+    came about in the gate (``layer_output``: the paths of ``engine/combine.py`` joined by ``+``)."""
     errs = np.asarray(host["selfcheck"], dtype=np.float64)
     summary: dict[str, Any] = {}
     for j, name in enumerate(CHECKS):
@@ -189,6 +191,7 @@ def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
     tol = np.asarray(host["selfcheck_tol"], dtype=np.float64)
     summary["tolerance"] = float(np.nanmax(tol)) if np.isfinite(tol).any() else None
     summary["rank_violation_share"] = float(np.sum(host["rank_violations"])) / max(1, np.asarray(host["margin"]).size)
+    summary["layer_output"] = "+".join(PATHS[c] for c in np.unique(np.asarray(host["layer_output"])))
     return summary
 
 

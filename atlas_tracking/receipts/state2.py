@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from atlas_tracking.receipts.geometry import tangent_project
+
 
 def kappa_matrix(v: torch.Tensor, eps_kappa: float) -> torch.Tensor:
     """``kappa(e, e') = <v_e, v_e'> / (||v_e|| ||v_e'|| + eps)`` for all pairs of a token's fields.
@@ -29,19 +31,26 @@ def kappa_matrix(v: torch.Tensor, eps_kappa: float) -> torch.Tensor:
 
 
 def kappa_from_gram(gram: torch.Tensor, eps_kappa: float) -> torch.Tensor:
-    """:func:`kappa_matrix` from the ``[N, m, m]`` Gram matrix of the fields (norms on its diagonal)."""
+    """:func:`kappa_matrix` from the ``[N, m, m]`` Gram matrix of the fields (norms on its diagonal).
+
+    Clamped to ``[-1, 1]``: a Gram matrix of explicit vectors satisfies Cauchy-Schwarz, and the clamp
+    removes the last rounding of the division.
+    """
     norms = gram.diagonal(dim1=1, dim2=2).clamp_min(0.0).sqrt()
-    return gram / (norms.unsqueeze(2) * norms.unsqueeze(1) + eps_kappa)
+    return (gram / (norms.unsqueeze(2) * norms.unsqueeze(1) + eps_kappa)).clamp(-1.0, 1.0)
 
 
 def tangent_gram(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
-    """Gram matrix ``<v_e, v_e'>`` of the tangent-visible fields ``v = u - (zh . u) zh`` without forming v.
+    """Gram matrix ``<v_e, v_e'>`` of the tangent-visible fields ``v = u - (zh . u) zh``, ``[N, m, m]``.
 
-    ``u`` is ``[N, m, d]``, ``zh`` the unit states ``[N, d]``: ``<v_e, v_e'> = <u_e, u_e'> - a_e a_e'``
-    with ``a = u . zh`` (two batched products instead of elementwise passes over ``[N, m, d]``).
+    ``u`` is ``[N, m, d]``, ``zh`` the unit states ``[N, d]``. The fields are projected first and their
+    inner products taken after, so the matrix is positive semidefinite by construction: an expert whose
+    output is nearly parallel to its input (an identity or near-identity expert) has a small tangent part
+    whose rounding error is relative to ``||u||``, never a negative squared norm (forming
+    ``<u_e, u_e'> - a_e a_e'`` by subtraction cancels there; docs/receipts.md#precision).
     """
-    a = torch.bmm(u, zh.unsqueeze(2))
-    return torch.bmm(u, u.transpose(1, 2)) - a * a.transpose(1, 2)
+    v = tangent_project(u, zh)
+    return torch.bmm(v, v.transpose(1, 2))
 
 
 def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float) -> torch.Tensor:

@@ -32,6 +32,16 @@ RATIO_RECEIPTS: tuple[str, ...] = (
 )
 """Receipts that are pooled means: ``sum(sum_w) / sum(count_w)``, each with a window-bootstrap CI."""
 
+RANGES: dict[str, tuple[float, float]] = {
+    "c2": (-1.0, 1.0),
+    "ov_cf": (0.0, 1.0),
+    "d_adjacent_boundary": (0.0, 1.0),
+    "d_adjacent_interior": (0.0, 1.0),
+    "d_random_boundary": (0.0, 1.0),
+}
+"""The range of each pooled receipt that is a cosine, an overlap or a redundancy distance, per token and so per
+window and per layer; ``verify`` fails an artifact whose value leaves it."""
+
 COUNTERS: tuple[str, ...] = (
     "excluded_tokens", "rank_violations", "nonfinite_logits", "no_random_competitor", "dropped_routes",
 )

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 
@@ -242,3 +243,90 @@ def check_measure(model, forward=None):
     assert verify(again.to_dict()) == []
     for lay in again.drift["layers"]:
         assert [lay[k] for k in DRIFT] == [0.0] * 4, lay["name"]
+
+
+OWN_CANARY = dict(window=16, n_windows=10)
+"""Three micro-batches of four windows, the last padded: every kind of call a gate makes."""
+
+
+def _seen_in_forward(model, layers, run) -> dict[str, list]:
+    """Per layer, per call of its MoE block inside the model's forward: the block's output and the expert indices
+    the model handed its experts there (hooks of the test's own, registered before a gate's, so calls a gate
+    makes from its own hooks are not seen)."""
+    seen = {lay.name: [] for lay in layers}
+    inside: dict[str, bool] = {}
+    handles = []
+    for lay in layers:
+        calls = seen[lay.name]
+
+        def pre(m, i, name=lay.name, calls=calls):
+            inside[name] = True
+            calls.append({"index": []})
+
+        def post(m, i, o, name=lay.name, calls=calls):
+            inside[name] = False
+            calls[-1]["out"] = (o[0] if isinstance(o, tuple) else o).detach().clone()
+
+        def experts(m, i, o, name=lay.name, calls=calls):
+            if inside.get(name):
+                calls[-1]["index"].append(i[1].detach().clone())
+
+        handles += [lay.block.register_forward_pre_hook(pre), lay.block.register_forward_hook(post)]
+        if lay.fusable:
+            handles.append(lay.experts.register_forward_hook(experts))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def check_own_forward(family, model, autocast: torch.dtype | None = None, fuse: bool = True) -> None:
+    """A gate's forward is the model's own: in every routed layer and every call, the block's output equals the
+    plain forward's bit for bit and the model hands its experts the same indices; the gate's per-window expert
+    loads are the counts of the model's own choice (so its dead experts are the model's). ``autocast``: both
+    forwards run under ``torch.autocast`` in that dtype, as a mixed-precision run validates."""
+    from atlas_tracking.adapters import find_routed_layers
+    from atlas_tracking.engine.measure import _forward_ids, micro_batches
+
+    canary = Canary.from_token_ids(np.arange(2000) * 7 % 64, seed=0, **OWN_CANARY)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "batch_windows": 4, "anchors": 24,
+                                              "n_bootstrap": 20, "fuse_experts": fuse}})
+    layers = find_routed_layers(model)
+    context = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
+    batches = micro_batches(canary, 0, 1, 4)
+
+    def plain():
+        with context():
+            for b in batches:
+                model(input_ids=torch.as_tensor(_forward_ids(canary, b), dtype=torch.long), use_cache=False)
+
+    reports = []
+
+    def gate():
+        with context():
+            reports.append(measure(model, canary, config=cfg))
+
+    theirs, ours = _seen_in_forward(model, layers, plain), _seen_in_forward(model, layers, gate)
+    report = reports[0]
+    assert verify(report.to_dict()) == [], family
+    for lay, pw in zip(layers, report.per_window["layers"]):
+        a, b = theirs[lay.name], ours[lay.name]
+        assert len(a) == len(b) == len(batches), (family, lay.name, len(a), len(b))
+        loads = np.zeros((canary.n_windows, lay.num_experts), dtype=np.int64)
+        for batch, call_a, call_b in zip(batches, a, b):
+            assert torch.equal(call_a["out"], call_b["out"]), (family, lay.name, batch, "block output")
+            assert len(call_a["index"]) == len(call_b["index"]), (family, lay.name)
+            for ia, ib in zip(call_a["index"], call_b["index"]):
+                assert torch.equal(ia, ib), (family, lay.name, batch, "experts' indices")
+            handed = call_a["index"][0] if call_a["index"] else None
+            if handed is None or handed.numel() != batch.size * canary.window * lay.top_k:
+                continue  # no single experts call with the layer's top-k per token: counted by the block check
+            per_window = handed.reshape(batch.size, canary.window, -1)[: batch.end - batch.start].long()
+            for w, chosen in enumerate(per_window):
+                loads[batch.start + w] += np.bincount(chosen.reshape(-1).numpy(), minlength=lay.num_experts)[
+                    : lay.num_experts]
+        if loads.any():
+            assert np.array_equal(np.asarray(pw["load"]), loads), (family, lay.name, "loads")

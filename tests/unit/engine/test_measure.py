@@ -146,6 +146,18 @@ def test_verify_accepts_and_then_catches_tampering(model, canary):
     assert any("min_entropy" in p for p in verify(tampered))
 
 
+def test_verify_fails_a_cosine_outside_its_range(model, canary):
+    """An artifact whose C2 left [-1, 1] (as the subtracted Gram form gave on identity experts) fails ``verify``
+    even where the stored value is the one its per-window sums give."""
+    data = json.loads(measure(model, canary, config=CFG).to_json())
+    pw = data["per_window"]["layers"][0]["c2"]
+    pw["sum"] = [-13.3 * c for c in pw["count"]]
+    data["layers"][0]["receipts"]["c2"] = -13.3
+    problems = verify(data)
+    assert any("c2 is -13.3, outside [-1, 1]" in p for p in problems), problems
+    assert any("window 0 c2 mean -13.3 is outside [-1, 1]" in p for p in problems), problems
+
+
 def test_canary_nll_equals_the_models_own_loss(model, canary):
     report = measure(model, canary, config=CFG)
     pw = report.per_window["canary_nll"]

@@ -39,7 +39,7 @@ def test_rms_normalize_and_tangent_projection(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_tangent_gram_and_c2_from_gram(seed):
-    """The gate's path (Gram of the tangent fields from u and zh, never forming v) against loops over v."""
+    """The gate's path (Gram of the tangent fields from u and zh) against loops over v."""
     rng = _rng(seed)
     u = rng.normal(size=(6, 4, 10)) + 2.0 * rng.normal(size=(6, 1, 10))  # fields with a shared radial part
     zh = rng.normal(size=(6, 10))

@@ -1,0 +1,60 @@
+"""The layer output a gate hands back when it evaluates the active experts itself (``receipts.fuse_experts``).
+
+A gate never changes the model's numbers: downstream of every routed layer the hidden states are the
+model's own, bit for bit, in the model's dtype and autocast context (docs/receipts.md#precision). When the
+gate evaluates the active fields inside the experts' call, it can hand back their weighted sum instead of
+calling the experts a second time, but only in the model's own arithmetic. Two combines cover the
+transformers experts implementations:
+
+- ``slots``: ``(u * w).sum(dim=1)`` over the model's top-k slots, in the product's dtype, cast to the
+  hidden states' dtype (the ``grouped_mm`` and ``batched_mm`` implementations);
+- ``ascending``: each product cast to the hidden states' dtype, then added one expert at a time in
+  ascending expert order (the eager loop's ``index_add_`` over the experts it hits).
+
+At the first call of every gate the capture calls the experts' own forward as well and keeps a combine
+only if it equals that output bit for bit; otherwise every call of that layer in the gate is the
+model's own call (``OWN``).
+
+Example (a product in bf16 accumulated two ways):
+    >>> import torch
+    >>> u = torch.tensor([[[1.0], [2.0 ** -8], [2.0 ** -8]]], dtype=torch.bfloat16)
+    >>> w = torch.ones(1, 3, dtype=torch.bfloat16)
+    >>> index = torch.tensor([[0, 1, 2]])
+    >>> float(COMBINES["slots"](u, w, index, torch.bfloat16)), float(COMBINES["ascending"](u, w, index, torch.bfloat16))
+    (1.0078125, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+OWN = "own"
+"""The layer's output is the model's own experts call (no combine reproduced it bit for bit)."""
+UNFUSED = "unfused"
+"""The gate did not stand in for the experts (``fuse_experts: false`` or a layer that cannot be fused)."""
+
+
+def slot_sum(u: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j w_j u_j`` over the top-k slots in the order the model gave them (``u`` is ``[N, k, d]``)."""
+    return (u * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+
+
+def ascending_adds(u: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each ``w_j u_j`` cast to ``dtype``, added into zeros in ascending expert order (``index`` ``[N, k]``)."""
+    order = index.argsort(dim=1, stable=True)
+    terms = (u * weights.unsqueeze(-1)).gather(1, order.unsqueeze(-1).expand(-1, -1, u.shape[-1])).to(dtype)
+    out = terms.new_zeros((u.shape[0], u.shape[-1]))
+    for j in range(terms.shape[1]):
+        out = out + terms[:, j]
+    return out
+
+
+COMBINES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]] = {
+    "slots": slot_sum,
+    "ascending": ascending_adds,
+}
+"""The combines a gate may hand back, tried in this order at a gate's first call."""
+PATHS = (UNFUSED, OWN, *COMBINES)
+"""Every way a layer's output came about in a gate, in the order of their codes in the per-window array."""
