@@ -246,7 +246,8 @@ def check_measure(model, forward=None):
 
 
 OWN_CANARY = dict(window=16, n_windows=10)
-"""Three micro-batches of four windows, the last padded: every kind of call a gate makes."""
+"""Three micro-batches of four windows: the first (where a layer compares its combine with the model's own call),
+one the combine answers, and the last, padded: every kind of call a gate makes."""
 
 
 def _seen_in_forward(model, layers, run) -> dict[str, list]:
