@@ -9,6 +9,8 @@ tracker sinks are in ``atlas_tracking.integrations``; the definitions are in ``d
 >>> from atlas_tracking import AtlasConfig, AtlasGate, Canary, measure
 """
 
+from importlib.metadata import version as _installed_version
+
 from atlas_tracking.adapters import (
     NoRoutedLayersError,
     RoutedLayer,
@@ -53,6 +55,7 @@ __all__ = [
     "register_family",
     "verify",
 ]
-__version__ = "0.1.0"
+__version__ = _installed_version("atlas-tracking")
+"""The installed distribution's version: ``version`` in ``pyproject.toml`` is its one source."""
 
 _keep_old_module_paths()  # 0.1 module paths (atlas_tracking.gate_report, ...) with a DeprecationWarning

@@ -4,7 +4,7 @@ A callback (Lightning's ``AtlasCallback``, the transformers ``AtlasTrainerCallba
 framework's hooks to the calls of :class:`ValidationGates`: ``start`` when training starts (resume
 from the checkpointed state, or claim the run directory and measure the step-0 baseline), ``due``
 after every validation (the ``gate.every_n_validations`` cadence), ``run`` for a gate that never
-stops training (a failure goes to ``atlas/errors.jsonl`` and a warning), ``evaluate`` for a gate
+stops training (a failure goes to ``atlas/errors.jsonl``, a warning and an ERROR alert), ``evaluate`` for a gate
 outside the training history, and ``state_dict`` / ``load_state_dict`` for the checkpoint.
 :class:`LossSource` reads the gate's loss from the metrics the framework logged, by name: when the
 metric is missing the loss stays empty and one warning names the metrics that are there (a
@@ -139,13 +139,18 @@ class ValidationGates:
         return self.validations % self.gate.config.gate.every_n_validations == 0
 
     def run(self, step: int, loss: float | None, log_step: int | None = None) -> dict[str, Any] | None:
-        """One gate; a failure never stops training (``atlas/errors.jsonl`` and a warning; returns None)."""
+        """One gate; a failure never stops training (``atlas/errors.jsonl``, a warning and an ERROR alert through
+        every sink, :meth:`AtlasGate.record_failure`; returns None)."""
         assert self.gate is not None
         try:
             record = self.gate.run(step, loss=loss, log_step=log_step)
         except Exception as exc:  # monitoring must never stop training
-            self.gate.record_failure(step, exc)
             self.warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
+            try:
+                self.gate.record_failure(step, exc, log_step=log_step)
+            except Exception as lost:  # not even the failure could be recorded (a full disk): still train on
+                log.error("atlas: the failed gate at step %s could not be recorded: %s: %s", step,
+                          type(lost).__name__, lost)
             return None
         self.last_record = record
         return record

@@ -81,6 +81,10 @@ def _from_rank_zero(obj: Any) -> Any:
     return box[0]
 
 
+def _no_progress(done: int, total: int) -> None:
+    """Canary progress on ranks other than zero: nothing (rank zero prints it once for the gate)."""
+
+
 class AtlasGate:
     """Gates for a model on a fixed canary, with baseline, policy, local record and sinks."""
 
@@ -136,7 +140,7 @@ class AtlasGate:
         if webhook is not None:
             extra.append(webhook)
         self.local = JsonlSink(self.run_dir.gates)
-        self.delivery = Delivery(self.local, extra)
+        self.delivery = Delivery(self.local, extra, wait_s=self.config.gate.delivery_wait_s)
 
     def _declared_reference(self) -> HandoffReference | None:
         """Read and check ``lifecycle.handoff_reference`` now, so a wrong reference fails before training starts
@@ -173,6 +177,7 @@ class AtlasGate:
             base = self.baseline if self.base_path == self.baseline_path else self._load_base()
         return measure(self.model, self.canary, baseline=self.baseline, config=config, step=step, layers=self.layers,
                        forward=self.forward, keep_anchors=keep_anchors,
+                       progress=None if _is_rank_zero() else _no_progress,
                        handoff_reference=self.handoff_reference.layers if self.handoff_reference else None, base=base)
 
     def _load_base(self) -> Baseline | None:
@@ -244,8 +249,7 @@ class AtlasGate:
         if path != first:
             message = (f"atlas: {first} holds the record of another run ({RunDir(first).describe()}); "
                        f"this run's record goes to {path} (gate.existing_record: new_dir)")
-            log.warning(message)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=4)  # once: not also a log line
         RunDir(path).write_identity(run_id, self.canary.fingerprint)
         return str(path), run_id, self.branch
 
@@ -285,7 +289,13 @@ class AtlasGate:
                 self.baseline.save(target)
                 self.run_dir.point_baseline(target)
         record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
-        record.update(run_id=self.run_id, branch=self.branch, **protection)
+        # the gate's identity early in its line: a line a crash cuts short still names it (artifacts/rebuild.py)
+        head = {"schema_version": record["schema_version"], "step": record["step"], "run_id": self.run_id,
+                "branch": self.branch, "loss": record["loss"], "resume": record["resume"]}
+        if "baseline_path" in record:
+            head["baseline_path"] = record["baseline_path"]
+        record = {**head, **record}
+        record.update(protection)
         if self.handoff_reference is not None:
             record["handoff_reference"] = self.handoff_reference.source
         if param_drift is not None:
@@ -353,12 +363,26 @@ class AtlasGate:
         metrics = gate_metrics(record, self.config.gate.log_per_layer)
         self.delivery.gate(record, metrics, self._tracker_step(record), events)
 
-    def record_failure(self, step: int, exc: BaseException) -> None:
-        """Write a failed gate to ``errors.jsonl`` (the gate record stays replayable) and warn."""
+    def record_failure(self, step: int, exc: BaseException, log_step: int | None = None) -> dict[str, Any]:
+        """A gate that could not run is an alarm: an ERROR alert (:meth:`AlertEngine.failure`) counted with the
+        failures before it, written to ``errors.jsonl`` first (the ground truth of failures; ``gates.jsonl``
+        stays replayable), then to ``alerts.jsonl``, the Python log and every tracker, whose status becomes
+        ``FAILED`` until a gate runs again. The policy's state is kept. Call it on every rank (rank zero writes);
+        returns the ``errors.jsonl`` line (:class:`~atlas_tracking.schema.record.FailedGate`)."""
+        error = f"{type(exc).__name__}: {exc}"
+        layers = [layer.name for layer in self.layers if f"{layer.name} (" in str(exc)]
+        event = self.alerts.failure(int(step), error, layers).to_dict()
+        line: dict[str, Any] = {"step": int(step), "error": error, "failed_layers": layers,
+                                "consecutive": event["failed"]["count"], "first_failed_step": event["failed"]["first_step"],
+                                "run_id": self.run_id, "branch": self.branch, "alerts": [event]}
+        if log_step is not None:
+            line["log_step"] = int(log_step)
         if not _is_rank_zero() or not self._claimed:
-            return
-        append_line(self.run_dir.errors, {"step": int(step), "error": f"{type(exc).__name__}: {exc}",
-                                          "run_id": self.run_id, "branch": self.branch})
+            return line
+        append_line(self.run_dir.errors, line)
+        log.error("atlas alert [ERROR] %s: %s", event["title"], event["text"])
+        self.delivery.alert(event)
+        return line
 
     def evaluate(self, step: int, loss: float | None = None, kind: str = "validate") -> dict[str, Any]:
         """A gate outside the training history (``trainer.validate()`` / ``trainer.test()``).

@@ -1,7 +1,8 @@
 """Crash safety, measured: SIGKILL a Lightning training process with the AtlasCallback at random moments,
 resume each time from the latest checkpoint, and check the record and the trackers.
 
-``python benchmarks/crash_safety.py --kills 30`` writes ``benchmarks/crash_safety.json`` and prints the counts.
+``python benchmarks/crash_safety.py --kills 30`` writes ``benchmarks/crash_safety.json`` and prints the counts;
+``--seeds 7 11 13`` runs one soak per seed.
 
 Each training process (this file with ``child``) trains the tests' tiny Qwen3-MoE with a gate every 10
 steps, W&B offline and MLflow on sqlite, and a checkpoint (``last.ckpt``) at every validation end. It
@@ -21,8 +22,8 @@ the kill itself is a real SIGKILL of the process (its process group, W&B's servi
 A first process trains to its first checkpoints unharmed (a restart without a checkpoint is a fresh
 run, recorded in a new directory). After the last kill a final process trains to the end. Then: every record file holds only complete
 JSON lines; the history is monotone; every gate the record had acknowledged before a kill (a complete
-line of ``gates.jsonl``) is in the history or in ``gates.abandoned.jsonl``, none twice; receipts files
-match their records; the last W&B run and the last MLflow run hold exactly the history's gates.
+line of ``gates.jsonl``) is in the history or in ``gates.abandoned.jsonl``, none twice; every history gate's
+``receipts/step_N.json`` holds the sha256 its record names (the steps that do not are listed); the last W&B run and the last MLflow run hold exactly the history's gates.
 """
 
 from __future__ import annotations
@@ -244,6 +245,16 @@ def _run(root: Path, plan: list[str], rng: random.Random, max_steps: int, final_
             **check(root, acknowledged)}
 
 
+def run_seeds(root: Path, kills: int, seeds: list[int], **kwargs: Any) -> dict[str, Any]:
+    """One soak per seed (``root/seed_N``); the per-seed counts and the totals of what must stay zero."""
+    per_seed = {seed: run(root / f"seed_{seed}", kills, seed, **kwargs) for seed in seeds}
+    zero = ("acknowledged_lost", "duplicated_in_record", "receipts_not_matching_their_record",
+            "record_files_partial_or_corrupt_lines", "duplicate_steps_within_a_tracker_run")
+    return {"seeds": per_seed, "totals": {k: sum(r[k] for r in per_seed.values()) for k in zero},
+            "every_seed_matches_its_trackers": all(r["last_wandb_run_equals_history"]
+                                                   and r["last_mlflow_run_equals_history"] for r in per_seed.values())}
+
+
 def check(root: Path, acknowledged: set[tuple[int, str | None]]) -> dict[str, Any]:
     """The counts the issue asks for, read from the run directory and the trackers."""
     from mlflow.tracking import MlflowClient
@@ -272,11 +283,12 @@ def check(root: Path, acknowledged: set[tuple[int, str | None]]) -> dict[str, An
     abandoned = read_lines(atlas / "gates.abandoned.jsonl")
     keys = [(r["step"], r.get("branch")) for r in history + abandoned]
     steps = [r["step"] for r in history]
-    receipts_mismatch = 0
+    receipts_mismatch: list[int] = []  # history gates whose receipts/step_N.json is missing or not the one recorded
     for rec in history:
         path = atlas / "receipts" / f"step_{rec['step']:08d}.json"
         ok = path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == rec.get("receipts_sha256")
-        receipts_mismatch += int(not ok)
+        if not ok:
+            receipts_mismatch.append(rec["step"])
     gates = [(r.get("log_step", r["step"]), r["gate_seconds"]) for r in history]
     children = _children(root)
     last = children[-1]
@@ -302,7 +314,8 @@ def check(root: Path, acknowledged: set[tuple[int, str | None]]) -> dict[str, An
         "abandoned_gates": len(abandoned),
         "acknowledged_lost": len(acknowledged - set(keys)),
         "duplicated_in_record": len(keys) - len(set(keys)),
-        "receipts_not_matching_their_record": receipts_mismatch,
+        "receipts_not_matching_their_record": len(receipts_mismatch),
+        "steps_whose_receipts_do_not_match": receipts_mismatch,
         "processes": len(children),
         "last_wandb_run_equals_history": wandb_rows == gates,
         "last_mlflow_run_equals_history": mlflow_rows == sorted(gates),
@@ -321,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--arm")
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", help="several soaks, one per seed (each --kills kills, in its "
+                                                             "own directory); overrides --seed")
     parser.add_argument("--root", default=None, help="work directory (default: a new temporary one)")
     parser.add_argument("--out", default=str(HERE / "crash_safety.json"))
     args = parser.parse_args(argv)
@@ -329,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="atlas-crash-"))
-    result = {"root": str(root), "seed": args.seed, **run(root, args.kills, args.seed)}
+    if args.seeds:
+        result = {"root": str(root), **run_seeds(root, args.kills, args.seeds)}
+    else:
+        result = {"root": str(root), "seed": args.seed, **run(root, args.kills, args.seed)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 0

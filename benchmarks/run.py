@@ -6,7 +6,8 @@
 (c) peak memory of a gate vs the plain forward (CUDA: max_memory_allocated; CPU: peak RSS of a
     fresh subprocess);
 (d) baseline artifact size;
-(e) scaling over canary tokens and over the number of experts E.
+(e) scaling over canary tokens and over the number of experts E;
+(j) a fit against a tracker that never answers, against no tracker (``benchmarks/tracker_stall.py``).
 Ratios are taken in one process; they are benchmarks, not timed tests.
 """
 
@@ -223,6 +224,14 @@ def training_overhead(steps: int, every: int) -> dict:
             "gate_time_fraction": min(gate_seconds) / without}
 
 
+def tracker_stall() -> dict:
+    """(j) A fit against a tracker that accepts connections and never answers, against no tracker: run by
+    ``benchmarks/tracker_stall.py`` in a fresh process (its stalled tracker calls die with it)."""
+    out = HERE / "tracker_stall.json"
+    subprocess.run([sys.executable, str(HERE / "tracker_stall.py"), "--out", str(out)], check=True, timeout=3600)
+    return json.loads(out.read_text())
+
+
 def scaling(repeats: int) -> dict:
     out = {"canary_tokens": [], "experts": []}
     model = demo_model()
@@ -262,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--train-steps", type=int, default=600)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-tracker-stall", action="store_true", help="skip (j), a tracker that never answers")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, canary = demo_model(device=args.device), demo_canary()
@@ -283,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_training:
         print("(b) training overhead ...", flush=True)
         results["training_overhead"] = training_overhead(args.train_steps, 200)
+    if not args.skip_tracker_stall:
+        print("(j) a tracker that never answers ...", flush=True)
+        results["tracker_stall"] = tracker_stall()
     Path(args.out).write_text(json.dumps(results, indent=1))
     g = results["gate_vs_forward"]
     print(f"gate / plain forward = {g['ratio_gate']:.2f} (with drift {g['ratio_gate_with_drift']:.2f}); "

@@ -56,7 +56,8 @@ import lightning.pytorch as pl
 import torch
 
 from atlas_tracking import AtlasConfig, Canary
-from atlas_tracking.testing.demo import DEMO_CONFIG, data, demo_canary, gate_table, records
+from atlas_tracking.testing.demo import DEMO_CONFIG, data, demo_canary, records
+from atlas_tracking.viz.gate_table import gate_table
 
 THREADS = 1
 """One intra-op thread: no float reduction is split differently on a machine with more cores, and a

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from atlas_tracking import Canary
-from atlas_tracking.testing.demo import DEMO_CONFIG, data, gate_table
+from atlas_tracking.testing.demo import DEMO_CONFIG, data
 from atlas_tracking.testing.demo_data import VOCAB_SIZE
+from atlas_tracking.viz.gate_table import gate_table
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|pad|>")
 """Added after the 256 byte ids: ids 256, 257 (end of turn, the eos token), 258 (padding)."""

@@ -3,7 +3,8 @@
 Thin glue: Lightning hooks map to calls on :class:`atlas_tracking.gate.AtlasGate`, which owns
 measurement, baseline, policy, alerts, the local ``<default_root_dir>/atlas/gates.jsonl``
 record and tracker delivery. Trackers are picked up from ``trainer.loggers`` (``WandbLogger``,
-``MLFlowLogger``) or given explicitly, and receive each gate at the step Lightning logs the
+``MLFlowLogger``; any other logger, ``TensorBoardLogger`` or ``CSVLogger``, gets the scalar receipts
+through ``log_metrics``) or given explicitly, and receive each gate at the step Lightning logs the
 validation metrics at. A failing gate never stops training: it is written to
 ``atlas/errors.jsonl`` and reported as a warning. ``trainer.fit(..., ckpt_path=...)`` resumes
 the run's record (:meth:`AtlasGate.resume`); ``trainer.validate()`` and ``trainer.test()`` run a
@@ -33,6 +34,7 @@ from atlas_tracking.gate import AtlasGate
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.record import Stage, Status
 from atlas_tracking.sinks.console import LoggingSink
+from atlas_tracking.sinks.metrics_logger import LogMetricsSink
 
 log = logging.getLogger("lightning.pytorch.callbacks.atlas")
 
@@ -51,7 +53,13 @@ def _forward_target(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def tracker_sinks(loggers: list[Any]) -> list[Any]:
-    """W&B and MLflow sinks for the trainer's loggers (other loggers are left alone)."""
+    """A sink for each of the trainer's loggers: W&B and MLflow get their own, any other logger with
+    ``log_metrics`` (``TensorBoardLogger``, ``CSVLogger``, ...) the scalar receipts.
+
+    >>> from lightning.pytorch.loggers import CSVLogger
+    >>> [s.name for s in tracker_sinks([CSVLogger("logs"), CSVLogger("logs", name="b"), object()])]
+    ['CSVLogger', 'CSVLogger#2']
+    """
     sinks: list[Any] = []
     for logger in loggers:
         kind = type(logger).__name__
@@ -59,6 +67,9 @@ def tracker_sinks(loggers: list[Any]) -> list[Any]:
             sinks.append(WandbSink(logger=logger))
         elif kind == "MLFlowLogger":
             sinks.append(MlflowSink(logger=logger))
+        elif callable(getattr(logger, "log_metrics", None)):
+            same = sum(1 for s in sinks if isinstance(s, LogMetricsSink) and type(s.logger) is type(logger))
+            sinks.append(LogMetricsSink(logger, name=f"{kind}#{same + 1}" if same else kind))
     return sinks
 
 
@@ -89,6 +100,12 @@ def logger_step(trainer: pl.Trainer) -> int:
     return int(value) if isinstance(value, int) else int(trainer.global_step)
 
 
+
+def validation_precision(trainer: pl.Trainer) -> Any:
+    """The precision context of the trainer's validation steps (autocast under ``precision="bf16-mixed"``), in
+    which a gate's forward computes and routes as the run's own validation does (docs/receipts.md#precision)."""
+    return trainer.precision_plugin.val_step_context()
+
 class AtlasCallback(pl.Callback):
     """Run an atlas gate after validation, every ``every_n_validations`` (never in the sanity check).
 
@@ -96,7 +113,7 @@ class AtlasCallback(pl.Callback):
         canary: a :class:`~atlas_tracking.Canary` or the path of a saved one (``.npz``/``.npy``).
         config: an :class:`~atlas_tracking.AtlasConfig`, a dict, or a YAML path.
         out_dir: where the baseline and gate records go (default ``<default_root_dir>/atlas``).
-        sinks: extra sinks; W&B and MLflow loggers of the trainer are added automatically.
+        sinks: extra sinks; the trainer's loggers are added automatically (:func:`tracker_sinks`).
         loss_key: the ``trainer.callback_metrics`` key read as the gate's loss (default: the first of
             ``val_loss``, ``val/loss``, ``validation_loss``, ``validation/loss``, ``valid_loss``; in
             ``trainer.test()`` ``test_loss``, ``test/loss``). When it is not logged, the gate's loss
@@ -157,7 +174,8 @@ class AtlasCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores callback state before on_fit_start but the loop state (global step)
         # only after it, so the restored gate state is applied here.
-        self.gates.start(int(trainer.global_step), log_step=logger_step(trainer))
+        with validation_precision(trainer):
+            self.gates.start(int(trainer.global_step), log_step=logger_step(trainer))
 
     # --- gates -------------------------------------------------------------------------------
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -181,12 +199,14 @@ class AtlasCallback(pl.Callback):
             self._evaluate(trainer, "test")
 
     def _gate(self, trainer: pl.Trainer, loss: float | None) -> dict[str, Any] | None:
-        return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer))
+        with validation_precision(trainer):
+            return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer))
 
     def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
         # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step
         step = int(trainer.global_step) or self._checkpoint_step
-        self.gates.evaluate(step, self.losses.read(trainer.callback_metrics, kind), kind)
+        with validation_precision(trainer):
+            self.gates.evaluate(step, self.losses.read(trainer.callback_metrics, kind), kind)
 
     def _save_green(self, trainer: pl.Trainer, step: int) -> None:
         """Geometry-aware checkpoint: keep the last N GREEN/clean states (paper 7.5)."""

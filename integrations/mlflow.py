@@ -4,6 +4,7 @@ and alerts as tags plus an ``atlas/alerts.jsonl`` artifact (MLflow has no run al
 ``MlflowSink`` works with a Lightning ``MLFlowLogger`` (its ``experiment`` is an ``MlflowClient``)
 or an explicit client and run id. Errors (a tracking server that is down) propagate, so that
 :class:`atlas_tracking.sinks.delivery.Delivery` keeps the items and replays them when the server is back.
+A figure that cannot be drawn is left out with a warning; metrics, tags and the gate JSON still go out.
 mlflow is imported lazily. MLflow 3 refuses the plain file store: use ``sqlite:///...`` or a server.
 """
 
@@ -14,7 +15,9 @@ import re
 import time
 from typing import Any
 
-from atlas_tracking.viz.figures import fig_c2_heatmap, fig_layer_c2, pyplot
+from atlas_tracking.schema.record import ALERT_LEVELS, FAILED, badge
+from atlas_tracking.sinks.figures import FigureGuard
+from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, fig_layer_c2, pyplot
 
 _KEY_OK = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
@@ -36,7 +39,8 @@ class MlflowSink:
         run_id: the run to log into.
         logger: a Lightning ``MLFlowLogger`` (client and run id are taken from it).
         tracking_uri: build a client for this URI when no client or logger is given.
-        figures: log the per-layer C2 bar chart and the C2 heatmap as artifacts at every gate.
+        figures: log the per-layer C2 bar chart, the C2 heatmap and the layers x experts load heatmap
+            (``atlas/figures/expert_load_<record step>.png``) as artifacts at every gate.
     """
 
     name = "mlflow"
@@ -54,8 +58,11 @@ class MlflowSink:
         self._client, self._run_id, self.logger = client, run_id, logger
         self.figures = figures
         self._alerts: list[dict[str, Any]] = []
+        self._highest: dict[str, Any] | None = None
+        """The first alert of the highest level since the current baseline (``atlas.alert.max_*``)."""
         self._c2_history: list[tuple[int, list[float | None]]] = []
         self._layer_names: list[str] = []
+        self._figures = FigureGuard(self.name)
 
     @property
     def client(self) -> Any:
@@ -74,9 +81,13 @@ class MlflowSink:
         from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
+        gate_step = int(record["step"])  # the record's step names files, tags and figures; metrics sit at ``step``
+        if record.get("status") == "BASELINE":
+            self._highest = None
         batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
-        tags = [RunTag("atlas.status", str(record.get("status"))), RunTag("atlas.stage", str(record.get("stage"))),
-                RunTag("atlas.action", str(record.get("action", ""))[:5000]), RunTag("atlas.last_gate_step", str(step))]
+        tags = [RunTag("atlas.status", badge(record)), RunTag("atlas.stage", str(record.get("stage"))),
+                RunTag("atlas.action", str(record.get("action", ""))[:5000]),
+                RunTag("atlas.last_gate_step", str(gate_step))]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000], tags=tags if i == 0 else [])
         if not batch:
@@ -84,12 +95,22 @@ class MlflowSink:
         self.client.log_text(self.run_id, json.dumps(record, indent=1, allow_nan=False),
                              f"atlas/gates/step_{int(record['step']):08d}.json")
         layers = record.get("layers", [])
-        self._c2_history.append((step, [lay.get("c2") for lay in layers]))
+        self._c2_history.append((gate_step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
         if self.figures and layers:
-            for fig, name in ((fig_layer_c2(layers, f"C2 per layer, step {step}"), f"c2_by_layer_{step:08d}.png"),
-                              (fig_c2_heatmap(self._c2_history, self._layer_names), "c2_heatmap.png")):
-                self.client.log_figure(self.run_id, fig, f"atlas/figures/{name}")
+            for figure, draw, name in (
+                ("C2 per layer", lambda: fig_layer_c2(layers, f"C2 per layer, step {gate_step}"),
+                 f"c2_by_layer_{gate_step:08d}.png"),
+                ("C2 heatmap", lambda: fig_c2_heatmap(self._c2_history, self._layer_names), "c2_heatmap.png"),
+            ):
+                fig = self._figures.draw(figure, draw)
+                if fig is not None:
+                    self.client.log_figure(self.run_id, fig, f"atlas/figures/{name}")
+                    pyplot().close(fig)
+        if self.figures and any(lay.get("expert_load") for lay in layers):
+            fig = self._figures.draw("expert load", lambda: fig_expert_load(layers, gate_step))
+            if fig is not None:
+                self.client.log_figure(self.run_id, fig, f"atlas/figures/expert_load_{gate_step:08d}.png")
                 pyplot().close(fig)
 
     def alert(self, event: dict[str, Any]) -> None:
@@ -98,9 +119,32 @@ class MlflowSink:
         self._alerts.append(event)
         tags = [RunTag("atlas.alert.level", event["level"]), RunTag("atlas.alert.title", event["title"]),
                 RunTag("atlas.alert.step", str(event["step"])), RunTag("atlas.alert.count", str(len(self._alerts)))]
+        if self._highest is None or ALERT_LEVELS.index(event["level"]) > ALERT_LEVELS.index(self._highest["level"]):
+            self._highest = event
+        tags += [RunTag("atlas.alert.max_level", self._highest["level"]),
+                 RunTag("atlas.alert.max_title", self._highest["title"]),
+                 RunTag("atlas.alert.max_step", str(self._highest["step"]))]
+        tags += self._failed_tags(event)
         self.client.log_batch(self.run_id, tags=tags)
         text = "".join(json.dumps(a, allow_nan=False) + "\n" for a in self._alerts)
         self.client.log_text(self.run_id, text, "atlas/alerts.jsonl")
+
+    @staticmethod
+    def _failed_tags(event: dict[str, Any]) -> list[Any]:
+        """A gate failure sets ``atlas.status=FAILED`` and ``atlas.failed.*``; its clearing sets the count to 0
+        (the next gate's own status is already tagged)."""
+        from mlflow.entities import RunTag
+
+        failed = event.get("failed")
+        if failed is None:
+            return []
+        if "cleared_step" in failed:
+            return [RunTag("atlas.failed.count", "0"), RunTag("atlas.failed.cleared_step", str(failed["cleared_step"]))]
+        return [RunTag("atlas.status", FAILED), RunTag("atlas.failed.count", str(failed["count"])),
+                RunTag("atlas.failed.first_step", str(failed["first_step"])),
+                RunTag("atlas.failed.last_step", str(failed["last_step"])),
+                RunTag("atlas.failed.layers", ", ".join(failed["layers"]) or "-"),
+                RunTag("atlas.failed.error", failed["error"][:5000])]
 
     def finish(self) -> None:
         """Nothing to close: the run belongs to whoever created it."""

@@ -13,6 +13,7 @@ record (written first) and tracker delivery.
 - ``on_evaluate``: a gate after every ``gate.every_n_validations``-th evaluation step, at the Trainer's
   ``global_step`` (the step its own integrations log ``eval_loss`` at), with ``eval_loss`` as the
   gate's loss (with several evaluation datasets, once per step, after the one ``loss_key`` names). A failing gate never stops training (``atlas/errors.jsonl`` and a warning).
+  Each gate prints one line on rank zero, as the Lightning callback does (logger ``atlas_tracking.trainer``).
   ``trainer.evaluate()`` outside training writes a gate to ``atlas/evaluations.jsonl`` only.
 - State: the callback is an ``ExportableState``; its state goes into every checkpoint's
   ``trainer_state.json`` (JSON: policy, alerts, the history's lineage, cadence; never a secret) and is
@@ -52,6 +53,38 @@ EVAL_LOSS_KEYS = ("eval_loss",)
 """Evaluation loss names read when ``loss_key`` is not given (never a training loss)."""
 TRAINER_STEP_KEY = "train/global_step"
 """The x-axis the transformers ``WandbCallback`` logs every metric against; gates use it too."""
+
+
+GATE_LINES = "atlas_tracking.trainer"
+"""The logger of the one line per gate the Trainer path prints (rank zero only, above the progress bar);
+set its level to WARNING to silence it."""
+
+
+class _ProgressBarHandler(logging.Handler):
+    """Writes through ``tqdm.write``, so a line lands above the Trainer's progress bar instead of inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record))
+        except Exception:  # a console that cannot be written must never stop training
+            self.handleError(record)
+
+
+def gate_lines() -> logging.Logger:
+    """The logger of the per-gate line: INFO, printed once (it does not also propagate to the root logger).
+
+    >>> log = gate_lines()
+    >>> log.name, log.level == logging.INFO, log.propagate, sum(isinstance(h, _ProgressBarHandler) for h in log.handlers)
+    ('atlas_tracking.trainer', True, False, 1)
+    """
+    logger = logging.getLogger(GATE_LINES)
+    if not any(isinstance(h, _ProgressBarHandler) for h in logger.handlers):
+        logger.addHandler(_ProgressBarHandler())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
 
 
 def _warn(message: str) -> None:
@@ -169,7 +202,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         sinks = tracker_sinks(args.report_to) if trackers and state.is_world_process_zero else []
         try:
             gate = AtlasGate(model, self.canary, self.config, out_dir=out_dir,
-                             sinks=[*sinks, *self.extra_sinks, LoggingSink(log)])
+                             sinks=[*sinks, *self.extra_sinks, LoggingSink(gate_lines())])
         except ValueError as exc:  # no routed layer, a canary that does not fit: before the first step
             log.error("atlas: AtlasTrainerCallback cannot start: %s", exc)
             raise

@@ -1,7 +1,8 @@
 """W&B delivery: metrics, per-layer tables and charts, a C2 heatmap, and ``run.alert`` for alerts.
 
 ``WandbSink`` works with a ``wandb`` run or a Lightning ``WandbLogger`` (then metrics go through
-``logger.log_metrics`` so their x-axis is ``trainer/global_step``). wandb is imported lazily. An offline
+``logger.log_metrics`` so their x-axis is ``trainer/global_step``). wandb is imported lazily; a heatmap
+that cannot be drawn is left out with a warning and the rest of the gate is still logged. An offline
 run is read back without a server by :mod:`atlas_tracking.testing.wandb_offline`.
 """
 
@@ -11,10 +12,16 @@ import io
 from datetime import timedelta
 from typing import Any
 
-from atlas_tracking.viz.figures import fig_c2_heatmap, png_bytes
+from atlas_tracking.artifacts.expert_text import layer_label
+from atlas_tracking.receipts.experts import OVERLOAD_FACTOR, expert_shares, share_change
+from atlas_tracking.schema.record import FAILED, badge
+from atlas_tracking.sinks.figures import FigureGuard
+from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, png_bytes
 
 TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
                  "ov_cf", "v2_c1", "v2_c2", "coord_drift", "boundary_drift", "content_drift", "c2_delta")
+EXPERT_COLUMNS = ("layer", "layer_index", "ordinal", "expert", "load", "share", "share_delta", "dead", "overloaded")
+"""Columns of ``atlas/experts``: one row per routed layer and expert (``share_delta``: since the baseline)."""
 STEP_KEY = "trainer/global_step"
 
 
@@ -24,8 +31,10 @@ class WandbSink:
     Args:
         run: a ``wandb`` run (from ``wandb.init``).
         logger: a Lightning ``WandbLogger`` (its ``experiment`` is the run).
-        per_layer_table: log a per-layer table and bar charts of C2 and dead experts at every gate.
-        heatmap: log a layers x gates heatmap image of C2 built from the gates seen so far.
+        per_layer_table: log a per-layer table and bar charts of C2 and dead experts at every gate, and the
+            per-expert table ``atlas/experts``.
+        heatmap: log a layers x gates heatmap image of C2 built from the gates seen so far, and the gate's
+            layers x experts load heatmap (``atlas/expert_load``).
         step_key: the x-axis metric the gates are logged against when writing to ``run`` (the
             transformers ``WandbCallback`` plots against ``train/global_step``; a ``WandbLogger``
             uses its own).
@@ -42,6 +51,7 @@ class WandbSink:
         self._defined = False
         self._history: list[tuple[int, list[float | None]]] = []
         self._layer_names: list[str] = []
+        self._figures = FigureGuard(self.name)
 
     @property
     def run(self) -> Any:
@@ -63,6 +73,7 @@ class WandbSink:
 
         if not self._defined:
             self._define()
+        gate_step = int(record["step"])  # the record's step names titles, tables and heatmap columns
         payload: dict[str, Any] = dict(metrics)
         layers = record.get("layers", [])
         if self.per_layer_table and layers:
@@ -70,23 +81,34 @@ class WandbSink:
                     for lay in layers]
             table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
             payload["atlas/layers"] = table
-            payload["atlas/c2_by_layer"] = wandb.plot.bar(table, "layer", "c2", title=f"C2 per layer (step {step})")
+            payload["atlas/c2_by_layer"] = wandb.plot.bar(table, "layer", "c2", title=f"C2 per layer (step {gate_step})")
             payload["atlas/dead_by_layer"] = wandb.plot.bar(table, "layer", "dead_experts",
-                                                            title=f"Dead experts per layer (step {step})")
+                                                            title=f"Dead experts per layer (step {gate_step})")
+        experts = expert_rows(layers)
+        if self.per_layer_table and experts:
+            payload["atlas/experts"] = wandb.Table(columns=list(EXPERT_COLUMNS), data=experts)
+        if self.heatmap and experts:
+            image = self._figures.draw("expert load", lambda: wandb.Image(
+                _pil(png_bytes(fig_expert_load(layers, gate_step), dpi=90)), caption=f"expert load, step {gate_step}"))
+            if image is not None:
+                payload["atlas/expert_load"] = image
         status = wandb.Table(columns=["step", "status", "stage", "action"],
-                             data=[[step, record.get("status"), record.get("stage"), record.get("action")]])
+                             data=[[gate_step, badge(record), record.get("stage"), record.get("action")]])
         payload["atlas/gate"] = status
-        self._history.append((step, [lay.get("c2") for lay in layers]))
+        self._history.append((gate_step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
         if self.heatmap and layers:
-            payload["atlas/c2_heatmap"] = wandb.Image(self._heatmap_png(), caption="C2: layers x gates")
+            image = self._figures.draw("C2 heatmap", lambda: wandb.Image(self._heatmap_png(), caption="C2: layers x gates"))
+            if image is not None:
+                payload["atlas/c2_heatmap"] = image
         if self.logger is not None:
             self.logger.log_metrics(payload, step=step)
         else:
             self.run.log({**payload, self.step_key: step})
         summary = self.run.summary
-        summary["atlas/status"] = record.get("status")
+        summary["atlas/status"] = badge(record)
         summary["atlas/stage"] = record.get("stage")
+        summary["atlas/last_gate_step"] = gate_step
 
     def _heatmap_png(self):
         from PIL import Image
@@ -100,17 +122,42 @@ class WandbSink:
             title=event["title"][:63], text=event["text"], level=getattr(wandb.AlertLevel, event["level"]),
             wait_duration=timedelta(seconds=float(event.get("wait_duration_s", 60.0))),
         )
+        failed = event.get("failed")
+        if failed is not None:  # a gate that could not run, or the first gate that ran after
+            summary = self.run.summary
+            summary["atlas/failed_count"] = 0 if "cleared_step" in failed else failed["count"]
+            if "cleared_step" not in failed:
+                summary["atlas/status"] = FAILED
+                summary["atlas/failed_first_step"] = failed["first_step"]
+                summary["atlas/failed_layers"] = ", ".join(failed["layers"])
 
     def finish(self) -> None:
         """Nothing to close: the run belongs to whoever created it."""
         return None
 
 
+def _pil(png: bytes) -> Any:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png))
 
 
+def expert_rows(layers: list[dict[str, Any]]) -> list[list[Any]]:
+    """Rows of ``atlas/experts`` (:data:`EXPERT_COLUMNS`) from a record's layers that carry ``expert_load``.
 
-
-
-
-
-
+    >>> expert_rows([{"name": "model.layers.2.mlp", "index": 2, "ordinal": 0, "expert_load": [0, 3, 1],
+    ...               "expert_load_baseline": [1, 1, 2]}])[1]
+    ['layer 2', 2, 0, 1, 3, 0.75, 0.5, False, True]
+    """
+    rows = []
+    for lay in layers:
+        loads = lay.get("expert_load")
+        if not loads:
+            continue
+        shares = expert_shares(loads)
+        base = lay.get("expert_load_baseline")
+        delta = share_change(loads, base).tolist() if base else [None] * len(loads)
+        for e, (load, share, d) in enumerate(zip(loads, shares.tolist(), delta)):
+            rows.append([layer_label(lay), lay.get("index"), lay.get("ordinal"), e, int(load), share, d, load == 0,
+                         share > OVERLOAD_FACTOR / len(loads)])
+    return rows

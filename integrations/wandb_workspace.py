@@ -128,6 +128,8 @@ def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROU
             _bar("C2 per layer (last gate)", "atlas/c2_by_layer", "c2"),
             _bar("dead experts per layer (last gate)", "atlas/dead_by_layer", "dead_experts"),
             PanelSpec("table", "per-layer receipts (last gate)", ("atlas/layers",)),
+            PanelSpec("media", "expert load: layers x experts (share, change since the baseline)", ("atlas/expert_load",)),
+            PanelSpec("table", "per-expert load (last gate)", ("atlas/experts",)),
         ), is_open=False),
     ]
 
@@ -199,10 +201,16 @@ def cmd_wandb_workspace(args: argparse.Namespace) -> int:
     if args.print:
         print(_spec_json(n_layers, args.x_axis, groups))
         return 0
+    from wandb.errors import Error as WandbError
+
     try:
         url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis, groups)
     except ImportError as exc:
         raise ValueError(f"saving a workspace needs wandb-workspaces (pip install 'atlas-tracking[wandb]'): {exc}") from None
+    except WandbError as exc:  # no login, no network, an unknown entity: one line, the advice first
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"log in to W&B first (`wandb login` or WANDB_API_KEY), or pass --print to print the layout "
+                         f"without W&B ({type(exc).__name__}: {first})") from None
     print(f"saved W&B workspace '{args.name}' ({n_layers} routed layers): {url}")
     return 0
 

@@ -246,6 +246,18 @@ def moe_looking_modules(model: nn.Module, limit: int = 8) -> list[str]:
     return found[:limit] + ([f"... {len(found) - limit} more classes"] if len(found) > limit else [])
 
 
+def known_examples(model_class: str, count: int = 3) -> list[str]:
+    """A few registered block classes to name in an error: those of the model's own family first.
+
+    >>> known_examples("Qwen3ForCausalLM", count=1)
+    ['Qwen3MoeSparseMoeBlock']
+    """
+    family = model_class.split("For", 1)[0].lower()
+    names = sorted(_REGISTRY)
+    related = [n for n in names if family and n.lower().startswith(family)]
+    return (related + [n for n in names if n not in related])[:count]
+
+
 def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
     """Every routed MoE layer of ``model`` in forward order; a clear error if there is none.
 
@@ -263,9 +275,9 @@ def find_routed_layers(model: nn.Module) -> list[RoutedLayer]:
         looked = moe_looking_modules(model)
         seen = f"; MoE-looking modules it saw: {', '.join(looked)}" if looked else "; it saw no MoE-looking module"
         raise NoRoutedLayersError(
-            f"no routed MoE layer found in {type(model).__name__}: searched for modules of classes "
-            f"[{', '.join(sorted(_REGISTRY))}]{seen}. To read your own MoE block, register an adapter with "
-            f"atlas_tracking.register_family (recipe: {RECIPE})"
+            f"no routed MoE layer found in {type(model).__name__}: to read your own MoE block, register an adapter "
+            f"with atlas_tracking.register_family (recipe: {RECIPE}){seen}; "
+            f"searched for {len(_REGISTRY)} known block classes ({', '.join(known_examples(type(model).__name__))}, ...)"
         )
     for i, layer in enumerate(layers):
         layer.ordinal = i

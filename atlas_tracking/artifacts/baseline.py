@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.artifacts.gate_report import GateReport
-from atlas_tracking.artifacts.io import check_header, jsonable, write_atomic
+from atlas_tracking.artifacts.io import check_header, jsonable, replace_durably, write_atomic
 from atlas_tracking.schema.artifacts import (
     BASE_TENSORS,
     BASELINE_KIND,
@@ -131,17 +131,17 @@ class Baseline:
         tmp.mkdir()  # the process umask applies (a temporary-directory helper would make it owner-only)
         try:
             # written by Python, not by safetensors' own file writer (which makes files owner-only)
-            (tmp / BASELINE_TENSORS_FILE).write_bytes(save(self.tensors, metadata={"kind": BASELINE_KIND}))
+            write_atomic(tmp / BASELINE_TENSORS_FILE, save(self.tensors, metadata={"kind": BASELINE_KIND}))
             manifest = {**self.manifest, "tensors_sha256": _sha256(tmp / BASELINE_TENSORS_FILE)}
             write_atomic(tmp / BASELINE_MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))
             if directory.exists():
                 old = directory.with_name(f".{directory.name}.old")
                 shutil.rmtree(old, ignore_errors=True)
-                directory.rename(old)
-                tmp.rename(directory)
+                replace_durably(directory, old)
+                replace_durably(tmp, directory)
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                tmp.rename(directory)
+                replace_durably(tmp, directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -27,11 +27,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking.artifacts.io import write_all, write_atomic
 from atlas_tracking.schema.artifacts import GATES
 from atlas_tracking.schema.record import GateRecord, RecordVersionError, upgrade_record
 
@@ -81,12 +83,6 @@ def cut_torn_tail(fd: int, path: Path) -> None:
                 "and was removed", path, size - keep)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def append_line(path: str | Path, obj: dict[str, Any]) -> None:
     """Append one JSON object as one line, then fsync: the line is complete on disk when this returns."""
     path = Path(path)
@@ -95,39 +91,15 @@ def append_line(path: str | Path, obj: dict[str, Any]) -> None:
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         cut_torn_tail(fd, path)
-        _write_all(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
 
 
 def write_lines(path: str | Path, objs: Iterable[dict[str, Any]]) -> None:
     """Replace a JSON-lines file atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n" for o in objs).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_atomic(Path(path), "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n" for o in objs))
 
 
 def read_lines(path: str | Path, check: Callable[[dict[str, Any]], Any] | None = None) -> list[dict[str, Any]]:
@@ -136,11 +108,29 @@ def read_lines(path: str | Path, check: Callable[[dict[str, Any]], Any] | None =
     A line that is not a JSON object, lacks an integer ``step`` or fails ``check`` is a
     :class:`HistoryError` naming the file and line number.
     """
+    return read_lines_and_torn(path, check)[0]
+
+
+def torn_note(path: Path, torn: str) -> str:
+    """The one line a reader says about a last line it dropped (cut short by a crash).
+
+    >>> torn_note(Path("atlas/gates.jsonl"), '{"schema_version":3,"step":40,"c2":0.0')
+    'atlas: atlas/gates.jsonl ends in a line cut short by a crash (38 bytes, step 40); it is not read as a gate (the next resume rebuilds it from its receipts file, or removes it)'
+    """
+    found = re.search(r'"step":\s*(\d+)', torn)
+    where = f", step {found.group(1)}" if found else ""
+    return (f"atlas: {path} ends in a line cut short by a crash ({len(torn.encode())} bytes{where}); "
+            "it is not read as a gate (the next resume rebuilds it from its receipts file, or removes it)")
+
+
+def read_lines_and_torn(path: str | Path, check: Callable[[dict[str, Any]], Any] | None = None
+                        ) -> tuple[list[dict[str, Any]], str]:
+    """:func:`read_lines`, and the text of a torn last line it dropped ("" when there is none)."""
     path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return []
+        return [], ""
     except OSError as exc:
         raise HistoryError(f"cannot read {path}: {exc.strerror}") from None
     lines = text.split("\n")
@@ -176,7 +166,8 @@ def read_lines(path: str | Path, check: Callable[[dict[str, Any]], Any] | None =
                 except ValueError as exc:
                     raise HistoryError(f"{path}:{len(lines) + 1}: {exc}") from None
             out.append(rec)  # a complete object whose newline is missing (hand-written file)
-    return out
+            torn = ""
+    return out, torn.strip()
 
 
 def monotone(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -213,9 +204,13 @@ def read_history(path: str | Path, check: Callable[[dict[str, Any]], Any] | None
     previous one starts the newer branch, which supersedes the older branch from that step on.
     Records of an older schema version are read as this version reads them
     (:func:`~atlas_tracking.schema.record.upgrade_record`); a newer one is a :class:`HistoryError`.
+    A last line cut short by a crash is dropped with one warning that says so (:func:`torn_note`).
     """
     file = gates_file(path)
-    history, _ = monotone(read_lines(file, check))
+    lines, torn = read_lines_and_torn(file, check)
+    if torn:
+        log.warning(torn_note(file, torn))
+    history, _ = monotone(lines)
     try:
         return [upgrade_record(rec) for rec in history]  # type: ignore[misc]
     except RecordVersionError as exc:

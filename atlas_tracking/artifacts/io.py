@@ -29,12 +29,65 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def write_atomic(path: Path, text: str) -> Path:
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to the open file descriptor ``fd`` (``os.write`` may write fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (a rename into it survives a crash); best effort,
+    since some file systems cannot open or fsync a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_durably(src: Path, dst: Path) -> Path:
+    """Rename ``src`` (a file or a directory whose contents are already on disk) to ``dst``, then fsync the
+    directories that hold the two names, so that after a crash the rename is either complete or not done.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "a").write_text("x")
+    >>> replace_durably(d / "a", d / "b").read_text(), (d / "a").exists()
+    ('x', False)
+    """
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+    if Path(src).parent != Path(dst).parent:
+        fsync_dir(Path(src).parent)
+    return Path(dst)
+
+
+def write_atomic(path: Path, data: str | bytes) -> Path:
+    """Replace ``path`` with ``data`` atomically and durably: a temporary file beside it, written and
+    fsynced, renamed into place, then the directory fsynced. A crash leaves the old file or the new one,
+    never a torn one.
+
+    >>> import tempfile
+    >>> target = Path(tempfile.mkdtemp()) / "sub" / "out.json"
+    >>> write_atomic(target, "{}").read_text(), sorted(p.name for p in target.parent.iterdir())
+    ('{}', ['out.json'])
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        write_all(fd, data.encode() if isinstance(data, str) else data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return replace_durably(tmp, path)
 
 
 def check_header(data: Any, kind: str, max_version: int, where: str, error: type[ValueError]) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from atlas_tracking.receipts.experts import total_loads
 from atlas_tracking.schema.record import (
     BASE_DAMAGE_FIELDS,
     CLIFF_FIELDS,
@@ -73,8 +74,10 @@ def gate_record(
     """Flatten a GateReport (and the policy's decision) into one replayable JSON record."""
     s = report.summary
     drift_layers = {d["name"]: d for d in (report.drift or {}).get("layers", [])}
+    windows = report.per_window.get("layers") or []
+    base_windows = ((report.per_window.get("baseline") or {}).get("layers") or []) if report.drift is not None else []
     layers = []
-    for layer in report.layers:
+    for i, layer in enumerate(report.layers):
         r = layer["receipts"]
         entry: LayerRecord = {
             "name": layer["name"], "index": layer["index"], "ordinal": layer["ordinal"],
@@ -84,6 +87,10 @@ def gate_record(
         d = drift_layers.get(layer["name"])
         if d is not None:
             entry.update({k: d.get(k) for k in LAYER_DRIFT_FIELDS})  # type: ignore[misc]
+        if i < len(windows) and "load" in windows[i]:
+            entry["expert_load"] = total_loads(windows[i]["load"])
+            if i < len(base_windows) and "load" in base_windows[i]:
+                entry["expert_load_baseline"] = total_loads(base_windows[i]["load"])
         layers.append(entry)
     record: GateRecord = {
         "schema_version": RECORD_SCHEMA_VERSION,

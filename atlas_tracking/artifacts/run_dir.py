@@ -6,13 +6,15 @@ Layout of a run directory (``out_dir``; the Lightning callback's default is
     run.json                    the run's identity (run_id); another run never appends here
     gates.jsonl                 the history (one JSON line per gate, fsynced before any tracker call)
     gates.abandoned.jsonl       gates of abandoned branches
-    alerts.jsonl                the alerts of the history's gates
-    errors.jsonl                gates that failed (errors.abandoned.jsonl after a rewind)
+    alerts.jsonl                the alerts of the history's gates and of its failed gates
+    errors.jsonl                gates that could not run, each with its ERROR alert (errors.abandoned.jsonl
+                                after a rewind)
     receipts/step_XXXXXXXX.json receipts of the history's gates (each record holds their sha256)
     receipts/abandoned/         receipts of abandoned gates (and files no record acknowledged)
     baselines/step_XXXXXXXX.B/  every baseline, in its own folder, never overwritten
     baseline                    link to the current baseline
     delivered.jsonl             which gates each tracker run has received (the trackers' catch-up)
+    backlog.json                the gates each sink had not received when training ended
     canaries/F.npz              the canary of fingerprint F (kept by callbacks whose framework re-creates
                                 them from a checkpoint, e.g. the transformers Trainer)
 
@@ -48,17 +50,21 @@ from typing import Any
 
 from atlas_tracking.artifacts.history import (
     HistoryError,
+    append_line,
     cut_torn_tail,
     identity,
+    key,
     monotone,
     new_id,
     read_lines,
     write_lines,
 )
-from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.artifacts.io import replace_durably, write_atomic
+from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
 from atlas_tracking.schema.artifacts import (
     ABANDONED,
     ALERTS,
+    BACKLOG,
     DELIVERED,
     ERRORS,
     ERRORS_ABANDONED,
@@ -98,6 +104,7 @@ class RunDir:
     alerts = property(lambda self: self.path / ALERTS)
     errors = property(lambda self: self.path / ERRORS)
     delivered = property(lambda self: self.path / DELIVERED)
+    backlog = property(lambda self: self.path / BACKLOG)
     evaluations = property(lambda self: self.path / EVALUATIONS)
     receipts = property(lambda self: self.path / "receipts")
     baselines = property(lambda self: self.path / "baselines")
@@ -157,14 +164,14 @@ class RunDir:
         if link.is_dir() and not link.is_symlink():
             legacy = self.baselines / f"legacy.{new_id()}"
             legacy.parent.mkdir(parents=True, exist_ok=True)
-            link.rename(legacy)
+            replace_durably(link, legacy)
         rel = os.path.relpath(target, self.path)
         tmp = self.path / f".baseline.{os.getpid()}.tmp"
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
         try:
             os.symlink(rel, tmp, target_is_directory=True)
-            os.replace(tmp, link)
+            replace_durably(tmp, link)
         except OSError:  # a file system without links: the current baseline's path, as text
             if tmp.is_symlink():
                 tmp.unlink()
@@ -175,8 +182,11 @@ class RunDir:
         """Undo what a killed writer leaves behind; returns the counts.
 
         A record file's last line without a newline is cut off (it was never a complete record);
-        temporary files and folders of interrupted atomic writes are removed (never acknowledged).
+        temporary files and folders of interrupted atomic writes are removed (never acknowledged). A gate
+        whose line in ``gates.jsonl`` was cut is rebuilt from its whole receipts file and appended again
+        (:mod:`atlas_tracking.artifacts.rebuild`), else counted as lost with one warning.
         """
+        cut_gate = self.gates.read_bytes().rpartition(b"\n")[2] if self.gates.is_file() else b""
         torn = 0
         for name in RECORD_FILES:
             path = self.path / name
@@ -200,7 +210,34 @@ class RunDir:
                     else:
                         tmp.unlink(missing_ok=True)
                     leftovers += 1
-        return {"torn_lines_cut": torn, "temporary_files_removed": leftovers}
+        rebuilt = self._rebuild(cut_gate.decode(errors="replace")) if cut_gate.strip() else None
+        return {"torn_lines_cut": torn, "temporary_files_removed": leftovers,
+                "cut_gates_rebuilt": int(rebuilt is True), "cut_gates_lost": int(rebuilt is False)}
+
+    def _rebuild(self, torn: str) -> bool | None:
+        """Append the rebuilt record of a cut gate line: True when rebuilt, False when lost, None when the record
+        already holds that gate."""
+        record = rebuild_cut_gate(self, torn)
+        if record is None:
+            self._forget_delivered(torn)
+            return False
+        if key(record) in {key(r) for name in (self.gates, self.abandoned) for r in read_lines(name)}:
+            return None
+        record["receipts_sha256"] = file_sha256(self.receipts_file(record["step"]))
+        append_line(self.gates, record)
+        log.warning("atlas: the gate at step %s (branch %s), whose line a crash cut short, was rebuilt from %s",
+                    record["step"], record["branch"], self.receipts_file(record["step"]))
+        return True
+
+    def _forget_delivered(self, torn: str) -> None:
+        """A lost gate leaves ``delivered.jsonl`` too: the ledger names only gates the record holds, so a tracker
+        that had it is not counted as holding a gate of the history at that step."""
+        step = prefix_fields(torn).get("step")
+        recorded = {key(r) for name in (self.gates, self.abandoned) for r in read_lines(name)}
+        ledger = read_lines(self.delivered)
+        kept = [d for d in ledger if d["step"] != step or key(d) in recorded]
+        if len(kept) != len(ledger):
+            write_lines(self.delivered, kept)
 
     # --- rewind --------------------------------------------------------------------------------
     def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None) -> int:
@@ -241,7 +278,8 @@ class RunDir:
             write_lines(self.gates, history)                        # 3. the history
             write_lines(self.abandoned, rest)                       # 4. the abandoned branches only
         self._rewind_errors(step)
-        alerts = [a for r in history for a in r.get("alerts", [])]
+        alerts = sorted((a for r in [*history, *read_lines(self.errors)] for a in r.get("alerts", [])),
+                        key=lambda a: a["step"])  # the history's alerts and those of its failed gates, in step order
         if read_lines(self.alerts) != alerts:
             write_lines(self.alerts, alerts)
         return moved
@@ -255,7 +293,13 @@ class RunDir:
             write_lines(self.errors, [e for e in errors if e["step"] <= step])
 
     def _settle_receipts(self, history: list[dict[str, Any]], rest: list[dict[str, Any]]) -> None:
-        """Receipts of the history at ``receipts/step_N.json``; abandoned and unacknowledged ones aside."""
+        """Receipts of the history at ``receipts/step_N.json``; abandoned and unacknowledged ones aside.
+
+        Files are kept by step and branch: ``receipts/step_N.json`` stays where it is while the history's
+        gate at step N holds its sha256, even when an abandoned gate at that step holds the same one (a
+        gate re-run on a new branch writes byte-identical receipts), and a history gate whose file is
+        missing takes it back from ``receipts/abandoned/`` under whatever name it was parked.
+        """
         if not self.receipts.is_dir():
             return
         parked_dir = self.receipts / "abandoned"
@@ -263,9 +307,12 @@ class RunDir:
         for rec in rest:
             sha = rec.get("receipts_sha256")
             src = self.receipts_file(rec["step"])
+            kept = by_step.get(rec["step"])
+            if kept is not None and kept.get("receipts_sha256") in (None, sha):
+                continue  # the file is the history's gate's own
             if sha and file_sha256(src) == sha:
                 parked_dir.mkdir(exist_ok=True)
-                os.replace(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json")
+                replace_durably(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json")
         for path in sorted(self.receipts.glob("step_*.json")):
             try:
                 step = int(path.stem.split("_", 1)[1])
@@ -276,14 +323,24 @@ class RunDir:
             if rec is not None and (rec.get("receipts_sha256") in (None, sha)):
                 continue
             parked_dir.mkdir(exist_ok=True)
-            os.replace(path, parked_dir / f"step_{step:08d}.unacknowledged.{(sha or 'x')[:12]}.json")
+            replace_durably(path, parked_dir / f"step_{step:08d}.unacknowledged.{(sha or 'x')[:12]}.json")
         for rec in history:
-            src = parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json"
             dst = self.receipts_file(rec["step"])
-            if src.exists() and not dst.exists() and file_sha256(src) == rec.get("receipts_sha256"):
-                os.replace(src, dst)
+            sha = rec.get("receipts_sha256")
+            if dst.exists() or not sha or not parked_dir.is_dir():
+                continue
+            own = parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json"
+            for src in [own, *sorted(parked_dir.glob(f"step_{rec['step']:08d}.*.json"))]:
+                if src.exists() and file_sha256(src) == sha:
+                    replace_durably(src, dst)
+                    break
 
     # --- tracker ledger ------------------------------------------------------------------------
+    def waiting(self) -> dict[str, dict[str, Any]]:
+        """``backlog.json``: per sink, its tracker run (None when unknown) and the ``[step, branch]`` of each gate
+        it had not received when training ended ({} without the file)."""
+        return json.loads(self.backlog.read_text())["sinks"] if self.backlog.exists() else {}
+
     def delivered_keys(self, sink: str, run: str) -> set[tuple[int, str | None]]:
         return {(int(d["step"]), d.get("branch")) for d in read_lines(self.delivered)
                 if d.get("sink") == sink and d.get("run") == run}

@@ -7,7 +7,7 @@ plugins: installed packages name their ``register`` under the ``atlas_tracking.c
 group, so the command line never imports an integration itself.
 
 >>> sorted(build_parser()._subparsers._group_actions[0].choices)[:4]
-['compare', 'judge', 'measure', 'protect']
+['compare', 'gates', 'judge', 'measure']
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from atlas_tracking.cli import compare, judge, measure, protect, replay, report, verify
+from atlas_tracking.cli import compare, gates, judge, measure, protect, replay, report, verify
 from atlas_tracking.cli.common import EXIT_ERROR, CLIError
 
-COMMANDS = (measure, verify, compare, replay, report, judge, protect)
+COMMANDS = (measure, verify, compare, replay, report, judge, protect, gates)
 """The command modules of this package, in the order ``--help`` lists them."""
 
 PLUGIN_GROUP = "atlas_tracking.commands"

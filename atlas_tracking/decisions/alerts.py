@@ -2,7 +2,8 @@
 
 Defaults: entering ``revoked`` (WARN), entering ``intervene`` (ERROR), a resume baseline (INFO),
 a re-baseline after a canary change (INFO, naming both fingerprints) and recovery back to
-``clean`` (INFO); in pretraining, entering ``collapse`` (occupancy collapse, WARN) and entering
+``clean`` (INFO); a gate that could not run (ERROR, :meth:`AlertEngine.failure`) and the first gate that runs
+after it (INFO, naming how many failed); in pretraining, entering ``collapse`` (occupancy collapse, WARN) and entering
 ``ready`` (handoff readiness, INFO); in post-training, a predicate turning ``fail``: protected-atlas
 rewrite (WARN) and base-domain damage (WARN). Levels come from :class:`~atlas_tracking.schema.config.AlertsConfig`
 and "off" disables one. Threshold rules (``dead_experts > 64 on any protected layer``) fire at
@@ -22,13 +23,17 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from atlas_tracking.artifacts.expert_text import expert_lines
 from atlas_tracking.schema.config import AlertRule, AlertsConfig, LifecycleConfig
 from atlas_tracking.schema.record import BAD_STAGES, Stage, Status
 
+NAMES_EXPERTS = ("stage:revoked", "stage:intervene", "stage:collapse")
+"""The stage alerts whose text names the dead and overloaded experts per layer (threshold rules do too)."""
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq}
 TITLE_MAX = 63
 
@@ -43,9 +48,15 @@ class AlertEvent:
     key: str
     step: int
     wait_duration_s: float
+    failed: dict[str, Any] | None = None
+    """A gate failure or its clearing: the failed state (``count``, ``first_step``, ``last_step``, ``layers``,
+    ``error``; ``cleared_step`` once a gate runs again), what trackers show as the run's failed state."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["failed"] is None:
+            del d["failed"]
+        return d
 
 
 def _title(text: str) -> str:
@@ -62,15 +73,18 @@ class AlertEngine:
         self.last_fired: dict[str, int] = {}
         self.last_verdicts: dict[str, str] = {}
         """The predicates' verdicts at the last gate that read them."""
+        self.failing: dict[str, Any] | None = None
+        """The consecutive gates that could not run since the last gate that ran (None: the last gate ran)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_stage": self.last_stage, "last_fired": dict(self.last_fired),
-                "last_verdicts": dict(self.last_verdicts)}
+                "last_verdicts": dict(self.last_verdicts), "failing": copy.deepcopy(self.failing)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_stage = state.get("last_stage")
         self.last_fired = {k: int(v) for k, v in state.get("last_fired", {}).items()}
         self.last_verdicts = dict(state.get("last_verdicts", {}))
+        self.failing = copy.deepcopy(state.get("failing"))
 
     def _event(self, level: str, title: str, text: str, key: str, step: int) -> AlertEvent:
         return AlertEvent(_title(title), text, level, key, step, self.cfg.wait_duration_s)
@@ -156,10 +170,48 @@ class AlertEngine:
                                    f"rule:{rule.name}", step))
         return out
 
+    def failure(self, step: int, error: str, layers: list[str]) -> AlertEvent:
+        """A gate that could not run: an ERROR event carrying the failed state, counted with the gates that failed
+        before it in a row. The stage is left as it is (the policy did not read this gate).
+
+        >>> engine = AlertEngine()
+        >>> [engine.failure(s, "RouterLogitsError: NaN", ["l1"]).failed["count"] for s in (60, 70)]
+        [1, 2]
+        >>> [(e.level, e.title, e.failed["first_step"]) for e in engine.evaluate({"step": 80, "stage": "clean"}, {})]
+        [('INFO', 'atlas: gates run again at step 80 after 2 failed', 60)]
+        """
+        state = self.failing or {"count": 0, "first_step": int(step), "layers": []}
+        state = {**state, "count": state["count"] + 1, "last_step": int(step), "error": error,
+                 "layers": [*state["layers"], *(name for name in layers if name not in state["layers"])]}
+        self.failing = state
+        where = f" in {', '.join(state['layers'])}" if state["layers"] else ""
+        return AlertEvent(
+            _title(f"atlas: gate failed at step {step}"),
+            f"The gate at step {step} could not run{where}: {error}. {state['count']} gate(s) failed in a row since "
+            f"step {state['first_step']}; the stage stays {self.last_stage} (the policy's state is kept) until a gate "
+            "runs.", "ERROR", "gate_failed", int(step), self.cfg.wait_duration_s, failed=copy.deepcopy(state))
+
+    def _cleared(self, step: int) -> list[AlertEvent]:
+        """The failed state ends at the first gate that runs again: one INFO event naming the failed gates."""
+        if self.failing is None:
+            return []
+        state, self.failing = {**self.failing, "cleared_step": step}, None
+        return [AlertEvent(
+            _title(f"atlas: gates run again at step {step} after {state['count']} failed"),
+            f"{state['count']} gate(s) could not run (steps {state['first_step']}..{state['last_step']}; last error: "
+            f"{state['error']}); the gate at step {step} ran and clears the failed state.",
+            "INFO", "gate_failed_cleared", step, self.cfg.wait_duration_s, failed=state)]
+
     def evaluate(self, decision: dict[str, Any], record: dict[str, Any]) -> list[AlertEvent]:
-        """Alerts for one gate, in order: stage events, then threshold rules."""
+        """Alerts for one gate, in order: the end of a failed state, stage events, then threshold rules. The
+        occupancy alerts (``revoked``, ``intervene``, ``collapse``, threshold rules) name the dead and overloaded
+        experts of each layer."""
         step = int(decision["step"])
-        events = (self._stage_events(decision, record) + self._predicate_events(decision, step)
+        events = (self._cleared(step) + self._stage_events(decision, record) + self._predicate_events(decision, step)
                   + self._rule_events(record, step))
         self.last_stage = decision.get("stage")
+        named = expert_lines(record.get("layers", []))
+        for event in events:
+            if named and (event.key in NAMES_EXPERTS or event.key.startswith("rule:")):
+                event.text = f"{event.text} Experts: {' '.join(named)}".strip()
         return events

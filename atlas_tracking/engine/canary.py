@@ -18,11 +18,14 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from atlas_tracking.artifacts.io import write_atomic
 
 
 class CanaryError(ValueError):
@@ -112,16 +115,13 @@ class Canary:
     def save(self, path: str | Path) -> Path:
         """Write to ``.npz`` (windows, offsets, seed) or ``.npy`` (windows only), atomically."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            if path.suffix == ".npz":
-                seed = -1 if self.seed is None else self.seed
-                np.savez(fh, windows=self.windows, offsets=self.offsets, seed=np.int64(seed))
-            else:
-                np.save(fh, self.windows)
-        tmp.replace(path)
-        return path
+        buf = io.BytesIO()
+        if path.suffix == ".npz":
+            seed = -1 if self.seed is None else self.seed
+            np.savez(buf, windows=self.windows, offsets=self.offsets, seed=np.int64(seed))
+        else:
+            np.save(buf, self.windows)
+        return write_atomic(path, buf.getvalue())
 
     # --- identity ----------------------------------------------------------------------------
     @property

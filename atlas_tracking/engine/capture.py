@@ -495,7 +495,7 @@ class LayerCapture:
         """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
 
         Per token: the active set and the adjacent competitor; at the boundary candidates, the random
-        competitor; and each anchor batch's experts. A call of the field evaluator holds at most
+        competitor; and each anchor batch's experts. A chunked call of the field evaluator holds at most
         ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
         since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
         so narrow models make one call), and only per-token reductions outlive it: State2 comes from
@@ -516,7 +516,8 @@ class LayerCapture:
         pos_k = s_active.argmin(dim=1)
         rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
         extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *((a.g, a.experts) for a in anchors)]
-        per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1))
+        width = k + 1 if handed is None else 1  # rows per token in a chunked call
+        per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
         c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
         v_k = torch.empty(n, d, device=dev)

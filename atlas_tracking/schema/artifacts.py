@@ -68,6 +68,10 @@ ERRORS_ABANDONED = "errors.abandoned.jsonl"
 DELIVERED = "delivered.jsonl"
 
 
+BACKLOG = "backlog.json"
+"""The gates each sink had not received when training ended (written by the delivery's bounded wait)."""
+
+
 EVALUATIONS = "evaluations.jsonl"
 
 

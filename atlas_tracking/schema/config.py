@@ -59,9 +59,10 @@ class ReceiptsConfig:
     rows), so a gate's peak memory stays near the forward's; narrow models (rows x d within 16 MiB of
     fp32) make one call. A larger value makes fewer, bigger calls."""
     fuse_experts: bool = True
-    """Evaluate the active experts once, inside the model's own forward: during a gate the layer's
-    combine of the model's expert outputs is done by atlas in fp32 (the per-expert arithmetic is the
-    model's). False evaluates them a second time in the hook and leaves the forward untouched."""
+    """Evaluate the active experts once, inside the model's own forward, and hand back the layer's output
+    built from them wherever that is the model's own output bit for bit (checked at each layer's first call
+    of every gate; otherwise the experts' own forward runs as well). False leaves the forward untouched and
+    evaluates the fields a second time in the block's hook (docs/receipts.md#precision)."""
     anchors: int = 1024
     """Anchor tokens kept in a baseline for drift receipts."""
     baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -266,12 +267,18 @@ class GateConfig:
     existing_record: Literal["new_dir", "refuse"] = "new_dir"
     """A fresh run whose out_dir holds another run's record: write to a new directory beside it
     (``<out_dir>-2``, ...; a warning names it) or refuse with an error. Never appended to."""
+    delivery_wait_s: float = 10.0
+    """At the end of training, how long to wait at most for the trackers to receive the gates still queued
+    (tracker calls run off the training thread; a call already running this long is not waited for). Gates
+    not delivered by then stay in the local record and are reported per tracker (docs/trackers.md)."""
 
     def _validate(self, prefix: str) -> None:
         if self.every_n_validations < 1:
             raise ConfigError(f"'{prefix}every_n_validations' must be >= 1, got {self.every_n_validations!r}")
         if self.keep_green_checkpoints < 1:
             raise ConfigError(f"'{prefix}keep_green_checkpoints' must be >= 1, got {self.keep_green_checkpoints!r}")
+        if self.delivery_wait_s < 0:
+            raise ConfigError(f"'{prefix}delivery_wait_s' must be >= 0, got {self.delivery_wait_s!r}")
 
 
 @dataclass

@@ -184,7 +184,17 @@ class LayerDrift(TypedDict, total=False):
     """Dead experts now minus at the baseline."""
 
 
-class LayerRecord(LayerIdentity, LayerReceipts, LayerDrift, total=False):
+class LayerExperts(TypedDict, total=False):
+    """Per-expert loads of a routed layer on the canary: which expert carries the layer (the report's and the
+    trackers' layers x experts heatmap, the experts an alert names)."""
+
+    expert_load: list[int]
+    """Routes each expert received over the canary windows (its share is its load over the layer's total)."""
+    expert_load_baseline: list[int]
+    """``expert_load`` at the gate's baseline: each share's change is read against it."""
+
+
+class LayerRecord(LayerIdentity, LayerReceipts, LayerDrift, LayerExperts, total=False):
     """One routed layer of a gate record (``record["layers"][i]``)."""
 
 
@@ -413,6 +423,9 @@ class Gate(TypedDict, total=False):
     """The gate's own wall time: what monitoring costs."""
     receipts_sha256: str
     """sha256 of ``receipts/step_N.json`` (rank zero adds it when it writes the receipts)."""
+    rebuilt: str
+    """Set on a gate whose line a crash cut short, rebuilt at the next resume from its whole receipts file: what
+    the line still held and where the rest came from (its decision is re-derived by ``atlas-tracking replay``)."""
     layers: list[LayerRecord]
     """One entry per routed layer, in forward order."""
 
@@ -420,6 +433,31 @@ class Gate(TypedDict, total=False):
 class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, total=False):
     """One line of ``gates.jsonl``: every section above, flat where the policy reads it, and the fields of
     :class:`GateDecision` (:data:`DECISION_FIELDS`)."""
+
+
+class FailedGate(TypedDict, total=False):
+    """One line of ``errors.jsonl``: a gate that could not run (NaN/Inf router logits, any exception inside the
+    gate). The run's ground truth for failures, written before any tracker hears of it; the policy's state is
+    kept, and the next gate that runs clears the failed state (docs/record.md#failed-gates-and-evaluations)."""
+
+    step: int
+    """The training step of the gate that could not run."""
+    log_step: int
+    """The step trackers plot the failure at, when the framework logs at another step."""
+    error: str
+    """The exception, as ``Type: message``."""
+    failed_layers: list[str]
+    """The routed layers the error names (NaN/Inf router logits), empty when it names none."""
+    consecutive: int
+    """Gates failed in a row up to this one (1 for the first)."""
+    first_failed_step: int
+    """The step of the first of those consecutive failed gates."""
+    run_id: str
+    """The run, constant across resumes."""
+    branch: str
+    """The training segment that tried the gate."""
+    alerts: list[dict[str, Any]]
+    """The alert the failure raised (ERROR)."""
 
 
 # --- derived field lists -----------------------------------------------------------------------------
@@ -469,6 +507,30 @@ DECISION_FIELDS = tuple(name for name in fields(GateDecision) if name != "step")
 """The record fields that hold the policy's decision."""
 RECORD_FIELDS = (*fields(GateRecord), *DECISION_FIELDS)
 """Every top-level field a gate record may hold."""
+
+
+FAILED = "FAILED"
+"""The badge of a run whose latest gate could not run (never a policy status: the policy did not read it)."""
+ALERT_LEVELS = ("INFO", "WARN", "ERROR")
+"""Alert levels, least severe first."""
+
+
+def badge(record: dict[str, Any], failed: bool = False) -> str:
+    """The one word a report's badge and the trackers' ``atlas.status`` show for a gate: ``FAILED`` when the gate
+    could not run (``failed``), ``RED`` when the status is RED, the stage is ``intervene`` or the gate raised an
+    ERROR alert, else the record's status. Derived from the record alone, so badge, tags and stage agree.
+
+    >>> badge({"status": "YELLOW", "stage": "intervene", "alerts": [{"level": "ERROR"}]})
+    'RED'
+    >>> badge({"status": "YELLOW", "stage": "revoked", "alerts": [{"level": "WARN"}]}), badge({}, failed=True)
+    ('YELLOW', 'FAILED')
+    """
+    if failed:
+        return FAILED
+    levels = {a.get("level") for a in record.get("alerts", [])}
+    if record.get("status") == Status.RED or record.get("stage") == Stage.intervene or "ERROR" in levels:
+        return Status.RED.value
+    return str(record.get("status"))
 
 
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:

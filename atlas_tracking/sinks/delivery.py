@@ -3,13 +3,17 @@
 A sink has a ``name``, ``log_gate(record, metrics, step)``, ``alert(event)`` and ``finish()``
 (accelerate's tracker shape); a tracker sink also has ``run_key``, the identity of the tracker
 run it writes to. :class:`Delivery` fans a gate out: it appends the record to
-``atlas/gates.jsonl`` before anything else, then calls every sink inside a guard. A sink that
-fails (a tracker server down, a network error) produces one warning naming what was not
-delivered; its calls are kept in a bounded backlog and replayed, in order, at the next gate,
-so delivery resumes when the service is back. Training never dies because monitoring failed.
-When a tracker run has received a gate and its alerts, a line in ``delivered.jsonl`` says so;
-after a restart, :meth:`Delivery.catch_up` sends each tracker run the gates of the history it
-has not received (a new tracker run gets the whole history).
+``atlas/gates.jsonl`` before anything else, on the calling thread, then queues the gate for every
+sink; each sink's calls run in order on its own background thread
+(:class:`~atlas_tracking.sinks.worker.SinkWorker`), so a tracker that is slow or never answers does
+not hold training. A sink that fails (a tracker server down, a network error) produces one warning
+naming what was not delivered; its calls stay queued, bounded, and are retried, in order, at the next
+gate, so delivery resumes when the service is back. Training never dies because monitoring failed.
+When a tracker run has received a gate and its alerts, a line in ``delivered.jsonl`` says so (the
+ground truth of what was delivered); after a restart, :meth:`Delivery.catch_up` sends each tracker
+run the gates of the history it has not received (a new tracker run gets the whole history). At the
+end of training, :meth:`Delivery.finish` waits a bounded time (``gate.delivery_wait_s``), then says
+how many gates each sink still lacks and how to deliver them.
 
 Example:
     >>> import tempfile, json
@@ -21,28 +25,34 @@ Example:
     ...     def finish(self): pass
     >>> delivery = Delivery(JsonlSink(d + "/gates.jsonl"), [Broken()], warn=lambda msg: None)
     >>> delivery.gate({"step": 1, "c2": 0.1}, {"atlas/c2": 0.1}, step=1)
+    >>> delivery.wait(timeout_s=5.0)
+    {'broken': 1}
     >>> [json.loads(line)["step"] for line in open(d + "/gates.jsonl")], delivery.backlog_size("broken")
     ([1], 1)
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
+import time
 import warnings
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from atlas_tracking.artifacts.history import key
+from atlas_tracking.schema.artifacts import BACKLOG
 from atlas_tracking.sinks.base import tracker_run
 from atlas_tracking.sinks.jsonl import JsonlSink
+from atlas_tracking.sinks.worker import SinkWorker, pending_gates
 
 log = logging.getLogger("atlas_tracking")
 
 
-def _warn(message: str) -> None:
-    """Tracker trouble is a Python warning (visible in any training loop) and a log line."""
-    log.warning(message)
+def warn_operator(message: str) -> None:
+    """Tracker trouble is one Python warning (visible in any training loop; ``logging.captureWarnings`` sends it to
+    the log), never also a log line of its own."""
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
@@ -51,15 +61,32 @@ def _what(method: str, args: tuple) -> str:
         return f"gate step {args[2]}"
     if method == "alert":
         return f"alert {args[0].get('title')!r}"
-    return f"the note that it holds gate step {args[1]['step']}"
+    return f"the note that it holds gate step {args[0]['step']}"
+
+
+def backlog_message(name: str, gates: int, wait_s: float, local: JsonlSink | None) -> str:
+    """What the operator is told at the end of training about the gates a sink has not received.
+
+    >>> print(backlog_message("mlflow", 3, 10.0, JsonlSink("run/atlas/gates.jsonl")))
+    atlas: 3 gate(s) did not reach mlflow by the end of training (waited up to 10 s, gate.delivery_wait_s); they stay in run/atlas/gates.jsonl and are listed in run/atlas/backlog.json. To deliver them, resume the run from a checkpoint: each tracker run is sent the gates delivered.jsonl does not list (docs/trackers.md#catch-up); `atlas-tracking gates run/atlas` shows what each tracker still lacks
+    """
+    where = "the local record" if local is None else str(local.path)
+    folder = "the run directory" if local is None else str(local.path.parent)
+    listed = "" if local is None else f" and are listed in {local.path.with_name(BACKLOG)}"
+    return (f"atlas: {gates} gate(s) did not reach {name} by the end of training (waited up to {wait_s:g} s, "
+            f"gate.delivery_wait_s); they stay in {where}{listed}. To deliver them, resume the run from a "
+            "checkpoint: each tracker run is sent the gates delivered.jsonl does not list "
+            f"(docs/trackers.md#catch-up); `atlas-tracking gates {folder}` shows what each tracker still lacks")
 
 
 class Delivery:
-    """Local record first, then every sink, each guarded with a replaying backlog.
+    """Local record first, then every sink through its own ordered background queue.
 
-    A sink's backlog holds units (a gate with its alerts and the note that the tracker run holds
-    it); a full backlog (``backlog_limit`` gates and alerts) drops whole units, oldest first, with a
-    warning: what a tracker run lacks is sent again from the record at the next resume.
+    A sink's queue holds units (a gate with its alerts and the note that the tracker run holds it); a
+    queue over ``backlog_limit`` gates and alerts drops whole units, oldest first, with a warning: what a
+    tracker run lacks is sent again from the record at the next resume. :meth:`finish` waits at most
+    ``wait_s`` seconds for the queues (not at all for a call already running ``wait_s`` seconds), then
+    says how many gates each sink still lacks and writes them to ``backlog.json`` beside the record.
     """
 
     def __init__(
@@ -68,92 +95,80 @@ class Delivery:
         sinks: list[Any],
         warn: Callable[[str], None] | None = None,
         backlog_limit: int = 1000,
+        wait_s: float = 10.0,
     ):
         self.local = local
-        self.sinks = list(sinks)
-        self.warn = warn or _warn
+        self.sinks: list[Any] = []
+        self.warn = warn or warn_operator
         self.backlog_limit = backlog_limit
-        self._backlog: dict[str, deque[list[tuple[str, tuple]]]] = {s.name: deque() for s in self.sinks}
-        self._down: set[str] = set()
+        self.wait_s = wait_s
+        self._workers: dict[str, SinkWorker] = {}
+        self._ledger = threading.Lock()
+        for sink in sinks:
+            self.add(sink)
 
     def add(self, sink: Any) -> None:
         """Deliver to one more sink from the next call on (no-op if a sink of that name is present)."""
-        if sink.name in self._backlog:
+        if sink.name in self._workers:
             return
         self.sinks.append(sink)
-        self._backlog[sink.name] = deque()
+        self._workers[sink.name] = SinkWorker(
+            sink.name, lambda item: self._deliver(sink, item),
+            failed=lambda item, exc, again: None if again else self._failed(sink.name, item, exc),
+            recovered=lambda: self.warn(f"atlas: {sink.name} is reachable again; queued gates and alerts were delivered"),
+            limit=self.backlog_limit, dropped=lambda n: self._dropped(sink.name, n))
 
     def backlog_size(self, name: str) -> int:
-        """Gates and alerts queued for a sink that is down."""
-        return sum(1 for unit in self._backlog.get(name, ()) for method, _ in unit if method != "acknowledge")
+        """Gates and alerts not yet delivered to a sink (queued, or in flight)."""
+        worker = self._workers.get(name)
+        return 0 if worker is None else worker.size()
+
+    def _deliver(self, sink: Any, item: tuple[str, tuple]) -> None:
+        method, args = item
+        if method != "acknowledge":
+            getattr(sink, method)(*args)
+            return
+        run = tracker_run(sink)
+        if run is not None and self.local is not None:
+            with self._ledger:  # one writer of delivered.jsonl at a time
+                self.local.acknowledge(sink.name, run, *args)
+
+    def _failed(self, name: str, item: tuple[str, tuple], exc: Exception) -> None:
+        self.warn(f"atlas: {name} did not receive {_what(*item)} ({type(exc).__name__}: {str(exc)[:200]}); kept "
+                  f"locally, {self.backlog_size(name)} item(s) queued for retry at the next gate")
+
+    def _dropped(self, name: str, dropped: int) -> None:
+        self.warn(f"atlas: {name} backlog is full; the {dropped} oldest queued gate(s) or alert(s) "
+                  "were dropped from memory (they stay in the local record and are sent at the next resume)")
 
     def _call(self, sink: Any, items: list[tuple[str, tuple]]) -> None:
-        queue = self._backlog[sink.name]
-        queue.append(list(items))
-        if not self._drain(sink, queue):
-            dropped = 0
-            while self.backlog_size(sink.name) > self.backlog_limit and len(queue) > 1:
-                queue.popleft()
-                dropped += 1
-            if dropped:
-                self.warn(f"atlas: {sink.name} backlog is full; the {dropped} oldest queued gate(s) or alert(s) "
-                          "were dropped from memory (they stay in the local record and are sent at the next resume)")
-
-    def _drain(self, sink: Any, queue: deque[list[tuple[str, tuple]]]) -> bool:
-        """Deliver queued units in order; False when the sink failed (the rest stays queued)."""
-        while queue:
-            unit = queue[0]
-            while unit:
-                m, a = unit[0]
-                try:
-                    if m == "acknowledge":
-                        if self.local is not None:
-                            self.local.acknowledge(sink.name, *a)
-                    else:
-                        getattr(sink, m)(*a)
-                except Exception as exc:  # a tracker must never stop training
-                    if sink.name not in self._down:
-                        self._down.add(sink.name)
-                        self.warn(
-                            f"atlas: {sink.name} did not receive {_what(m, a)} ({type(exc).__name__}: "
-                            f"{str(exc)[:200]}); kept locally, {self.backlog_size(sink.name)} item(s) queued for "
-                            "retry at the next gate"
-                        )
-                    return False
-                unit.pop(0)
-            queue.popleft()
-        if sink.name in self._down:
-            self._down.discard(sink.name)
-            self.warn(f"atlas: {sink.name} is reachable again; queued gates and alerts were delivered")
-        return True
+        self._workers[sink.name].put(items)
 
     def _send(self, sink: Any, record: dict[str, Any], metrics: dict[str, float], step: int,
               alerts: list[dict[str, Any]]) -> None:
         items = [("log_gate", (record, metrics, step)), *(("alert", (event,)) for event in alerts)]
-        run = tracker_run(sink)
-        if run is not None:
-            items.append(("acknowledge", (run, record)))
-        self._call(sink, items)
+        self._call(sink, [*items, ("acknowledge", (record,))])
 
     def gate(self, record: dict[str, Any], metrics: dict[str, float], step: int,
              alerts: list[dict[str, Any]] = ()) -> None:
-        """The record (and its alerts) to the local files, then gate and alerts to every sink."""
+        """The record (and its alerts) to the local files, then gate and alerts queued for every sink."""
         if self.local is not None:
             self.local.log_gate(record, metrics, step)
             for event in alerts:
                 self.local.alert(event)
+        record, metrics, alerts = copy.deepcopy((record, metrics, list(alerts)))  # the caller may change its own
         for sink in self.sinks:
-            self._send(sink, record, metrics, step, list(alerts))
+            self._send(sink, record, metrics, step, alerts)
 
     def alert(self, event: dict[str, Any]) -> None:
         if self.local is not None:
             self.local.alert(event)
         for sink in self.sinks:
-            self._call(sink, [("alert", (event,))])
+            self._call(sink, [("alert", (copy.deepcopy(event),))])
 
     def catch_up(self, history: list[dict[str, Any]], metrics_of: Callable[[dict[str, Any]], dict[str, float]],
                  step_of: Callable[[dict[str, Any]], int]) -> int:
-        """Send every tracker run the history's gates (with their alerts) it has not received; returns the count."""
+        """Queue for every tracker run the history's gates (with their alerts) it has not received; returns the count."""
         sent = 0
         if self.local is None:
             return sent
@@ -168,9 +183,40 @@ class Delivery:
                     sent += 1
         return sent
 
-    def finish(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> dict[str, int]:
+        """Retry every queue and wait for it, at most ``timeout_s`` seconds in all (default ``wait_s``) and not
+        for a sink whose call has been running that long; returns the gates and alerts each sink still lacks."""
+        timeout_s = self.wait_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        for worker in self._workers.values():
+            worker.kick()
+        for worker in self._workers.values():
+            worker.wait(deadline, stalled_after=timeout_s)
+        return {name: worker.size() for name, worker in self._workers.items()}
+
+    def backlog(self) -> dict[str, list[tuple[int, str | None]]]:
+        """Per sink, the (step, branch) of each gate it has not received yet, in order."""
+        return {name: [key(record) for record in pending_gates(worker.pending())]
+                for name, worker in self._workers.items()}
+
+    def finish(self) -> dict[str, list[tuple[int, str | None]]]:
+        """The end of training: the bounded wait, then one warning per sink that still lacks gates (with how to
+        deliver them later) and ``backlog.json`` beside the record; each sink not in the middle of a call is
+        finished. Returns the gates each sink still lacks."""
+        self.wait()
+        backlog = self.backlog()
+        runs = {sink.name: tracker_run(sink) for sink in self.sinks if backlog[sink.name]}
+        if self.local is not None:
+            self.local.note_backlog(backlog, runs)
+        for name, gates in backlog.items():
+            if gates:
+                self.warn(backlog_message(name, len(gates), self.wait_s, self.local))
         for sink in self.sinks:
-            try:
-                sink.finish()
-            except Exception as exc:
-                self.warn(f"atlas: {sink.name} failed to finish ({type(exc).__name__})")
+            worker = self._workers[sink.name]
+            if worker.idle():
+                try:
+                    sink.finish()
+                except Exception as exc:
+                    self.warn(f"atlas: {sink.name} failed to finish ({type(exc).__name__})")
+            worker.close()
+        return backlog

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import append_line, key, read_history
+from atlas_tracking.artifacts.io import write_atomic
 from atlas_tracking.artifacts.run_dir import RunDir
-from atlas_tracking.schema.artifacts import ALERTS, DELIVERED
+from atlas_tracking.schema.artifacts import ALERTS, BACKLOG, DELIVERED
 
 
 class JsonlSink:
@@ -38,6 +40,13 @@ class JsonlSink:
 
     def delivered(self, sink: str, run: str) -> set[tuple[int, str | None]]:
         return RunDir(self.path.parent).delivered_keys(sink, run)
+
+    def note_backlog(self, backlog: dict[str, list[tuple[int, str | None]]], runs: dict[str, str | None]) -> None:
+        """Write ``backlog.json``: per sink, its tracker run (None when unknown) and the gates it had not received
+        when training ended (an empty file of sinks when every gate was delivered)."""
+        sinks = {name: {"run": runs.get(name), "steps": [[step, branch] for step, branch in gates]}
+                 for name, gates in backlog.items() if gates}
+        write_atomic(self.path.with_name(BACKLOG), json.dumps({"sinks": sinks}, indent=1, allow_nan=False) + "\n")
 
     def finish(self) -> None:
         return None

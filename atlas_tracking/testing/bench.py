@@ -9,6 +9,8 @@ Example:
     >>> times = cpu_seconds({"a": lambda: sum(range(1000)), "b": lambda: None}, repeats=3)
     >>> sorted(times), [len(t) for t in times.values()]
     (['a', 'b'], [3, 3])
+    >>> [len(t) for t in seconds({"a": lambda: None}, repeats=2).values()]   # wall time
+    [2]
     >>> out = Path(tempfile.mkdtemp()) / "r.json"
     >>> write_result({"ratio": 1.5}, out)
     {
@@ -27,15 +29,21 @@ from pathlib import Path
 from typing import Any
 
 
-def cpu_seconds(passes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """CPU seconds of each pass, ``repeats`` times, the passes interleaved."""
+def seconds(passes: dict[str, Callable[[], Any]], repeats: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each pass on ``clock`` (default wall time), ``repeats`` times, the passes interleaved."""
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(repeats):
         for name, run in passes.items():
-            t0 = time.process_time()
+            t0 = clock()
             run()
-            times[name].append(time.process_time() - t0)
+            times[name].append(clock() - t0)
     return times
+
+
+def cpu_seconds(passes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """CPU seconds of each pass, ``repeats`` times, the passes interleaved."""
+    return seconds(passes, repeats, time.process_time)
 
 
 def write_result(result: dict[str, Any], out: str | Path) -> None:

@@ -1,7 +1,7 @@
 """What the main job (``examples/demo.py``) shares with its variants, the tests and the benchmarks.
 
 The demo's embedded configuration, its text streams (prose and Python source that ship with Python), the
-canary every run is measured on, and the gate table it prints.
+canary every run is measured on (the gate table it prints is :func:`atlas_tracking.viz.gate_table.gate_table`).
 
 Example:
     >>> DEMO_CONFIG["policy"]["c2_tol"]
@@ -18,7 +18,6 @@ import numpy as np
 from atlas_tracking.artifacts.history import read_history
 from atlas_tracking.engine.canary import Canary
 from atlas_tracking.testing.demo_data import code_text, encode, prose_text
-from atlas_tracking.viz.tables import format_table
 
 DEMO_CONFIG: dict[str, Any] = {
     "receipts": {"progress": False, "anchors": 512},
@@ -48,14 +47,3 @@ def demo_canary(streams: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | 
 def records(run_dir: Path) -> list[dict[str, Any]]:
     """The history of a demo run (``<run_dir>/atlas/gates.jsonl``)."""
     return list(read_history(run_dir / "atlas"))
-
-
-def gate_table(recs: list[dict[str, Any]]) -> str:
-    """One row per gate; ``ref`` is the step the deltas are against (the previous gate in pretraining)."""
-    header = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
-              "alerts"]
-    rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("c2_delta"), r.get("dead_experts"), r.get("min_entropy"),
-             r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), r.get("status"),
-             r.get("stage"), "-" if not r.get("handoff") else ("yes" if r["handoff"]["ready"] else "no"),
-             ",".join(a["level"] for a in r.get("alerts", [])) or "-"] for r in recs]
-    return format_table(header, rows)

@@ -356,3 +356,24 @@ def lightning_reference() -> dict[str, Any]:
     report = measure(module, canary(SHARDED_WINDOWS), config=CFG,
                      forward=lambda _m, ids: default_forward(module.model, ids))
     return json.loads(report.to_json())
+
+
+def gate_stderr(rank: int, world: int) -> str:
+    """What one gate with canary progress on prints to stderr on this rank (a gloo worker of ``run_workers``)."""
+    import io
+    import sys
+    import tempfile
+
+    from atlas_tracking.gate import AtlasGate
+
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)  # one run directory (rank zero writes it)
+    gate = AtlasGate(qwen3_moe(), canary(n_windows=8), {"receipts": {"progress": True, "batch_windows": 1,
+                                                                      "n_bootstrap": 50, "anchors": 16}},
+                     out_dir=box[0])
+    captured, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        gate.run(0, loss=1.0)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = captured

@@ -5,6 +5,11 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import numpy as np
+
+from atlas_tracking.artifacts.expert_text import layer_label
+from atlas_tracking.artifacts.record import finite_number
+from atlas_tracking.receipts.experts import expert_shares, share_change
 from atlas_tracking.schema.record import STAGE_CODES, Status
 
 STATUS_COLORS = {Status.BASELINE: "#7f8c8d", Status.GREEN: "#2e8b57", Status.YELLOW: "#d4a017", Status.RED: "#c0392b"}
@@ -47,18 +52,6 @@ def fig_loss_c2(recs: list[dict[str, Any]]):
     return fig
 
 
-def fig_dead(recs: list[dict[str, Any]]):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 2.8))
-    steps = [str(r["step"]) for r in recs]
-    colors = [STATUS_COLORS.get(r.get("status"), "#95a5a6") for r in recs]
-    ax.bar(steps, [r.get("dead_experts") or 0 for r in recs], color=colors)
-    ax.set_ylabel("dead experts / layer")
-    ax.set_xlabel("gate step (colour = status)")
-    ax.set_title("Dead experts per gate")
-    return fig
-
-
 def layer_groups(layers: list[dict[str, Any]]) -> list[str]:
     """Each routed layer's group from the record's own ``protected`` flag (``lifecycle.protected_layers``):
     'protected', 'early' before the first protected layer, 'late' after the last, 'unprotected' between.
@@ -74,17 +67,18 @@ def layer_groups(layers: list[dict[str, Any]]) -> list[str]:
             for i, f in enumerate(flags)]
 
 
-def fig_layer_c2(layers: list[dict[str, Any]], title: str):
+def fig_layer_c2(layers: list[dict[str, Any]], title: str, key: str = "c2"):
+    """Per-layer bars of ``key`` (C2, or ``c2_delta``: its change since the baseline), coloured by layer group."""
     plt = pyplot()
     groups = layer_groups(layers)
     fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(layers) + 1)))
-    values = [lay.get("c2") or 0.0 for lay in layers]
+    values = [lay.get(key) or 0.0 for lay in layers]
     palette = {"early": "#5dade2", "protected": "#e67e22", "late": "#8e44ad", "unprotected": "#95a5a6"}
     ax.barh([f"{g}: {lay.get('name')}" for g, lay in zip(groups, layers)], values,
             color=[palette[g] for g in groups])
     ax.axvline(0, color="black", lw=0.6)
     ax.invert_yaxis()
-    ax.set_xlabel("C2")
+    ax.set_xlabel({"c2": "C2", "c2_delta": "C2 now minus at the baseline"}.get(key, key))
     ax.set_title(title)
     return fig
 
@@ -125,4 +119,79 @@ def fig_c2_heatmap(history: list[tuple[int, list[float | None]]], layer_names: l
     ax.set_yticks(range(width), layer_names[:width], fontsize=7)
     ax.set_xlabel("gate step")
     fig.colorbar(im, ax=ax, label="C2")
+    return fig
+
+
+def expert_grids(layers: list[dict[str, Any]]) -> tuple[list[str], np.ndarray, np.ndarray | None]:
+    """Layers x experts grids of each expert's share of its layer's routes and of the change of that share since
+    the baseline (None when no layer has a baseline load), from the record's ``expert_load`` (NaN pads layers
+    with fewer experts). Rows are the layers that carry loads, labelled by :func:`layer_label`.
+
+    >>> labels, share, delta = expert_grids([{"index": 3, "expert_load": [1, 3], "expert_load_baseline": [2, 2]}])
+    >>> labels, share.tolist(), delta.tolist()
+    (['layer 3'], [[0.25, 0.75]], [[-0.25, 0.25]])
+    """
+    rows = [lay for lay in layers if lay.get("expert_load")]
+    width = max((len(lay["expert_load"]) for lay in rows), default=0)
+    share = np.full((len(rows), width), np.nan)
+    delta = np.full((len(rows), width), np.nan)
+    for i, lay in enumerate(rows):
+        n = len(lay["expert_load"])
+        share[i, :n] = expert_shares(lay["expert_load"])
+        if lay.get("expert_load_baseline"):
+            delta[i, :n] = share_change(lay["expert_load"], lay["expert_load_baseline"])
+    has_delta = any(lay.get("expert_load_baseline") for lay in rows)
+    return [layer_label(lay) for lay in rows], share, delta if has_delta else None
+
+
+def fig_expert_load(layers: list[dict[str, Any]], step: int):
+    """Layers x experts heatmaps of one gate: each expert's share of its layer's routes (left) and, against a
+    baseline, the change of that share since it (right)."""
+    plt = pyplot()
+    labels, share, delta = expert_grids(layers)
+    panels = [(share, "share of the layer's routes", "viridis", 0.0, None)]
+    if delta is not None:
+        bound = max(float(np.nanmax(np.abs(delta))) if np.isfinite(delta).any() else 0.0, 1e-9)
+        panels.append((delta, "change since the baseline", "RdBu_r", -bound, bound))
+    n_experts = share.shape[1]
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, layout="constrained",
+                             figsize=(min(9.0, 3.5 + 0.08 * n_experts) * len(panels), max(2.5, 0.3 * len(labels) + 1.4)))
+    for ax, (grid, title, cmap, vmin, vmax) in zip(axes[0], panels):
+        im = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ticks = list(range(0, n_experts, max(1, n_experts // 16)))
+        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
+        ax.set_xlabel("expert")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"Expert load at step {step} (layers x experts)", fontsize=10)
+    return fig
+
+
+def fig_occupancy(recs: list[dict[str, Any]]):
+    """The three occupancy axes per layer over gates: dead experts, load CV x 100 and router entropy, one thin
+    line per routed layer and the summary the policy reads in black (mean dead, mean CV, min entropy)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    steps = [r["step"] for r in recs]
+    n_layers = max((len(r.get("layers", [])) for r in recs), default=0)
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(n_layers, 1)))
+    axes_spec = ((axes[0], "dead_experts", 1.0, "dead_experts", "dead experts", "mean dead experts"),
+                 (axes[1], "load_cv", 100.0, "mean_cv", "load CV x100", "mean load CV x100"),
+                 (axes[2], "router_entropy", 1.0, "min_entropy", "router entropy (nats)", "min entropy"))
+    for ax, key, scale, summary, ylabel, summary_label in axes_spec:
+        for i in range(n_layers):
+            pts = [(r["step"], scale * r["layers"][i][key]) for r in recs
+                   if i < len(r.get("layers", [])) and finite_number(r["layers"][i].get(key)) is not None]
+            if pts:
+                label = layer_label(next(r["layers"][i] for r in recs if i < len(r.get("layers", []))))
+                ax.plot(*zip(*pts), "o-", lw=0.8, ms=3, color=colors[i], label=label if n_layers <= 12 else None)
+        values = [finite_number(r.get(summary)) for r in recs]
+        ax.plot(steps, [np.nan if v is None else v for v in values], "s--", color="black", lw=1.4, ms=4,
+                label=summary_label)
+        ax.set_ylabel(ylabel, fontsize=8)
+    axes[0].set_ylim(bottom=-0.05 * max(1.0, axes[0].get_ylim()[1]), top=max(1.0, axes[0].get_ylim()[1]))
+    axes[0].set_title("Occupancy per layer over gates (black: the summary the policy reads)")
+    axes[0].legend(loc="best", fontsize=6, ncol=3)
+    axes[2].set_xlabel("step")
     return fig

@@ -1,10 +1,13 @@
 """``atlas-tracking report``: a self-contained HTML page (and PNGs) for a run or one receipts file.
 
 For a run directory (``<run>/atlas/gates.jsonl``, read as one history with
-:func:`atlas_tracking.artifacts.history.read_history`): loss and C2 against step (the report's figure 4),
-dead experts per gate, per-layer C2 of the last gate grouped early / protected / late (figure 5; the
-groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``), the
-stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
+:func:`atlas_tracking.artifacts.history.read_history`): an opening that names the gates failing since the last gate
+that ran (``errors.jsonl``: step, reason, layers) before anything else, else the last gate with its badge; loss and C2 against step (the report's figure 4),
+the three occupancy axes per layer over gates (dead experts, load CV, router entropy) with a per-layer table
+from the baseline to the last gate, the last gate's layers x experts load heatmap and the experts it names
+(docs/receipts.md#per-expert-load), per-layer C2 of the last gate grouped early / protected / late (figure 5;
+the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
+baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
 gate. For a receipts JSON: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
 """
@@ -17,15 +20,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking.artifacts.expert_text import expert_lines, layer_label
 from atlas_tracking.artifacts.gate_report import read_artifact
-from atlas_tracking.artifacts.history import read_history
+from atlas_tracking.artifacts.history import gates_file, read_history, read_lines
 from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.param_drift import drift_line
+from atlas_tracking.schema.artifacts import ERRORS
+from atlas_tracking.schema.record import FAILED, badge
 from atlas_tracking.viz.figures import (
     STATUS_COLORS,
-    fig_dead,
+    fig_c2_heatmap,
+    fig_expert_load,
     fig_layer_c2,
     fig_loss_c2,
+    fig_occupancy,
     fig_timeline,
     png_bytes,
 )
@@ -45,6 +54,9 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
+
+BADGE_COLORS = {**{s.value: c for s, c in STATUS_COLORS.items()}, FAILED: "#6c1010"}
+"""The badge's colour per word (:func:`~atlas_tracking.schema.record.badge`)."""
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
@@ -102,30 +114,115 @@ def verdict_lines(last: dict[str, Any]) -> list[str]:
     return out
 
 
-def run_page(recs: list[dict[str, Any]], title: str) -> tuple[str, dict[str, bytes]]:
-    """The HTML page and its figures for a run's gate records."""
+def expert_text(layers: list[dict[str, Any]]) -> str:
+    """The dead and overloaded experts of each layer, or why there are none to name.
+
+    >>> expert_text([{"index": 1, "expert_load": [5, 5]}]), expert_text([{"index": 1}])
+    ('No dead or overloaded expert in any layer.', 'No per-expert loads recorded.')
+    """
+    if not any(lay.get("expert_load") for lay in layers):
+        return "No per-expert loads recorded."
+    return " ".join(expert_lines(layers)) or "No dead or overloaded expert in any layer."
+
+
+def occupancy_table(recs: list[dict[str, Any]]) -> str:
+    """Per routed layer, the three occupancy axes and C2 at the last gate's baseline and at the last gate
+    (``baseline -> now``; the last gate alone when its baseline is not in ``recs``).
+
+    >>> base = {"step": 0, "layers": [{"index": 2, "dead_experts": 0, "load_cv": 0.19, "router_entropy": 2.04}]}
+    >>> last = {"step": 10, "baseline_step": 0, "layers": [{"index": 2, "dead_experts": 0, "load_cv": 1.06,
+    ...                                                     "router_entropy": 1.48}]}
+    >>> print(occupancy_table([base, last]).split("<tbody>")[1])
+    <tr><td>layer 2</td><td>0 -&gt; 0</td><td>19 -&gt; 106</td><td>2.04 -&gt; 1.48</td><td>- -&gt; -</td></tr></tbody></table>
+    """
+    last = recs[-1]
+    base = next((r for r in reversed(recs[:-1]) if r["step"] == last.get("baseline_step")), None)
+    base_layers = {lay.get("name"): lay for lay in (base or {}).get("layers", [])}
+
+    def num(x: Any, scale: float = 1.0) -> str:
+        v = finite_number(x)
+        return "-" if v is None else f"{scale * v:.3g}"
+
+    rows = []
+    for lay in last.get("layers", []):
+        b = base_layers.get(lay.get("name"))
+        cells = (("dead_experts", 1.0), ("load_cv", 100.0), ("router_entropy", 1.0), ("c2", 1.0))
+        rows.append([layer_label(lay)] + [(f"{num(b.get(k), s)} -> " if b else "") + num(lay.get(k), s)
+                                          for k, s in cells])
+    return _table(["layer", "dead experts", "load CV x100", "router entropy", "C2"], rows)
+
+
+def failed_gate_line(failure: dict[str, Any]) -> str:
+    """One failed gate (a line of ``errors.jsonl``) in words: step, reason, layers.
+
+    >>> failed_gate_line({"step": 60, "error": "RouterLogitsError: NaN", "failed_layers": ["model.layers.1.mlp"]})
+    'step 60: RouterLogitsError: NaN (layers: model.layers.1.mlp)'
+    """
+    layers = ", ".join(failure.get("failed_layers") or []) or "none named"
+    return f"step {failure['step']}: {failure.get('error')} (layers: {layers})"
+
+
+def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
+    """The report's first paragraph: the gates failing since the last gate that ran, when any (badge FAILED),
+    else the last gate with the badge its record derives (:func:`~atlas_tracking.schema.record.badge`); failed
+    gates that a later gate cleared are named after it.
+
+    >>> text = opening({"step": 50, "status": "GREEN", "stage": "clean"}, [{"step": 60, "error": "E: x"}])
+    >>> text.split("</span>")[0].rsplit(">", 1)[1], "Gates failing since step 60" in text
+    ('FAILED', True)
+    """
+    failing = [f for f in failures if f["step"] > last["step"]]
+    cleared = [f for f in failures if f["step"] <= last["step"]]
+    word = badge(last, failed=bool(failing))
+    span = f'<span class="status" style="background:{BADGE_COLORS.get(word, "#555")}">{html.escape(word)}</span>'
+    state = (f"step {last['step']} {html.escape(str(last.get('status')))}, stage "
+             f"<b>{html.escape(str(last.get('stage')))}</b>")
+    if failing:
+        items = "".join(f"<li>{html.escape(failed_gate_line(f))}</li>" for f in failing)
+        text = (f"<p>{span} Gates failing since step {failing[0]['step']}: {len(failing)} gate(s) could not run; the "
+                f"policy's state is that of the last gate that ran ({state}).</p><ul>{items}</ul>")
+    else:
+        text = f"<p>Last gate: {span} {state}. {html.escape(str(last.get('action', '')))}</p>"
+    if cleared:
+        items = "".join(f"<li>{html.escape(failed_gate_line(f))}</li>" for f in cleared)
+        text += f"<p>{len(cleared)} earlier gate(s) could not run (cleared by a later gate):</p><ul>{items}</ul>"
+    return text
+
+
+def run_page(recs: list[dict[str, Any]], title: str,
+             failures: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
+    """The HTML page and its figures for a run's gate records and its failed gates (``errors.jsonl``)."""
     last = recs[-1]
     figures = {
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
-        "dead_experts.png": png_bytes(fig_dead(recs)),
+        "occupancy.png": png_bytes(fig_occupancy(recs)),
+        "expert_load.png": png_bytes(fig_expert_load(last.get("layers", []), last["step"])),
         "layer_c2.png": png_bytes(
             fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / protected / late)")),
+        "layer_c2_delta.png": png_bytes(fig_layer_c2(
+            last.get("layers", []), f"Per-layer change of C2 since the baseline (step {last.get('baseline_step')})",
+            key="c2_delta")),
+        "c2_heatmap.png": png_bytes(fig_c2_heatmap([(r["step"], [lay.get("c2") for lay in r.get("layers", [])])
+                                                    for r in recs], [layer_label(lay) for lay in last.get("layers", [])])),
         "stage_timeline.png": png_bytes(fig_timeline(recs)),
     }
     rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
              r.get("margin"), r.get("status"), r.get("stage"), "; ".join(a["title"] for a in r.get("alerts", []))]
             for r in recs]
-    color = STATUS_COLORS.get(last.get("status"), "#555")
     licensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("licensed", []))
     unlicensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("unlicensed", []))
     body = f"""<h1>{html.escape(title)}</h1>
-<p>Last gate: step {last['step']} <span class="status" style="background:{color}">{html.escape(str(last.get('status')))}</span>
-stage <b>{html.escape(str(last.get('stage')))}</b>. {html.escape(str(last.get('action', '')))}</p>
+{opening(last, list(failures))}
 <p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
 <h2>Verdicts (last gate)</h2><ul>{''.join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(last))}</ul>
 <h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
-<h2>Dead experts</h2>{_img(figures['dead_experts.png'], 'dead experts per gate')}
+<h2>Occupancy per layer</h2>{_img(figures['occupancy.png'], 'dead experts, load CV and router entropy per layer')}
+{occupancy_table(recs)}
+<h2>Expert load (last gate)</h2>{_img(figures['expert_load.png'], 'expert load: layers x experts')}
+<p>{html.escape(expert_text(last.get('layers', [])))}</p>
 <h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
+{_img(figures['layer_c2_delta.png'], 'per-layer change of C2 since the baseline')}
+<h2>C2: layers x gates</h2>{_img(figures['c2_heatmap.png'], 'C2 heatmap: layers x gates')}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
 <h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
@@ -160,7 +257,9 @@ def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None
     if source.is_file() and source.suffix == ".json":
         page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
     else:
-        page, figures = run_page(read_history(source), f"atlas run: {source.name}")
+        errors = gates_file(source).with_name(ERRORS)
+        page, figures = run_page(read_history(source), f"atlas run: {source.name}",
+                                 read_lines(errors) if errors.is_file() else [])
     if png_dir is not None:
         png_dir = Path(png_dir)
         png_dir.mkdir(parents=True, exist_ok=True)

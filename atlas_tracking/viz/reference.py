@@ -116,8 +116,9 @@ def configuration() -> str:
 # --- the gate record ----------------------------------------------------------------------------------
 
 RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "GateDecision", "LayerIdentity",
-                   "LayerReceipts", "LayerDrift")
-"""The sections of :class:`~atlas_tracking.schema.record.GateRecord` in the order the docs list them."""
+                   "LayerReceipts", "LayerDrift", "LayerExperts", "FailedGate")
+"""The sections of :class:`~atlas_tracking.schema.record.GateRecord` in the order the docs list them, then the
+line of ``errors.jsonl`` (:class:`~atlas_tracking.schema.record.FailedGate`)."""
 
 
 def record_fields() -> str:
@@ -130,7 +131,8 @@ def record_fields() -> str:
         prefix = "atlas/layer_NN/" if name.startswith("Layer") else "atlas/"
         rows = [[f"`{key}`", f"`{_type_text(tp)}`", f"`{prefix}{tracked[key]}`" if key in tracked else "",
                  docs.get(key, "")] for key, tp in hints.items()]
-        where = "each entry of `layers`" if name.startswith("Layer") else "the record"
+        where = ("each entry of `layers`" if name.startswith("Layer") else "a line of `errors.jsonl`"
+                 if name == "FailedGate" else "the record")
         doc = " ".join((inspect.getdoc(cls) or "").split())
         parts.append(f"### {name} ({where})\n\n{doc}\n\n" + _table(["field", "type", "tracker key", "meaning"], rows))
     return "\n\n".join(parts)

@@ -262,5 +262,6 @@ def test_report_renders_in_headless_chromium(demo_out, tmp_path):
     pixels = img.getdata()
     non_blank = sum(1 for p in pixels if p < 240)
     assert non_blank > 0.02 * len(pixels)
-    for png in ("loss_c2.png", "dead_experts.png", "layer_c2.png", "stage_timeline.png"):
+    for png in ("loss_c2.png", "occupancy.png", "expert_load.png", "layer_c2.png", "layer_c2_delta.png",
+                "c2_heatmap.png", "stage_timeline.png"):
         assert (demo_out / "stressed" / "figures" / png).stat().st_size > 5000

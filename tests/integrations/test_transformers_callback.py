@@ -312,3 +312,18 @@ def test_callback_state_is_json_and_carries_no_secret(tmp_path):
     assert rebuilt.config.receipts.anchors == 64 and rebuilt.config.alerts.webhook_url == ""
     assert rebuilt.canary == tiny_canary()
     assert torch.equal(torch.as_tensor(rebuilt.canary.windows), torch.as_tensor(tiny_canary().windows))
+
+
+def test_every_gate_prints_one_line_on_the_terminal(tmp_path, capsys):
+    out = tmp_path / "out"
+    train, val = tiny_sets(4)
+    trainer = Trainer(tiny_model(), args=trainer_args(out, 4, eval_steps=2), train_dataset=train, eval_dataset=val,
+                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=POST_TRAINING)])
+    trainer.train()
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines()
+             if line.startswith("atlas gate step=") and " status=" in line]  # (a parameter-drift line may follow)
+    recs = records(out)
+    assert len(recs) >= 2
+    assert [line.split()[2] for line in lines] == [f"step={r['step']}" for r in recs]  # once each, in order
+    assert all(f"status={r['status']} stage={r['stage']}" in line for line, r in zip(lines, recs))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +98,13 @@ def test_cli_refuses_an_empty_record(tmp_path, capsys):
     empty.write_text("")
     assert main(["wandb-workspace", "--entity", "e", "--project", "p", "--record", str(empty), "--print"]) == 2
     assert "holds no gate record" in capsys.readouterr().err
+
+
+def test_saving_without_a_wandb_login_is_one_line_exit_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "config"), NETRC=str(tmp_path / "netrc"))
+    proc = subprocess.run([sys.executable, "-m", "atlas_tracking.cli", "wandb-workspace", "--entity", "e", "--project",
+                           "p", "--layers", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atlas-tracking wandb-workspace: error: log in to W&B first")

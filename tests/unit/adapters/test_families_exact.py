@@ -8,6 +8,8 @@ adapter self-check included) and a checkpoint compared with itself drifts by exa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -69,8 +71,13 @@ def test_model_without_routed_layers_names_the_searched_classes():
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(NoRoutedLayersError, match=r"no routed MoE layer found in LlamaForCausalLM.*Qwen3MoeSparseMoeBlock"):
+    with pytest.raises(NoRoutedLayersError) as caught:
         find_routed_layers(model)
+    message = str(caught.value)
+    assert message.startswith("no routed MoE layer found in LlamaForCausalLM: to read your own MoE block, register")
+    assert len(message.splitlines()) == 1 and len(message) < 400  # the advice first, then a few names and a count
+    assert re.search(r"searched for \d+ known block classes \(Llama4TextMoe, [A-Za-z0-9]+, [A-Za-z0-9]+, \.\.\.\)$",
+                     message), message
 
 
 def _moe_model_types() -> dict[str, str]:

@@ -130,3 +130,22 @@ def test_replay_cli_with_config_and_out(tmp_path, capsys):
     assert [r["status"] for r in rows] == ["BASELINE", "GREEN"]
     assert set(rows[0]) >= {"step", "status", "stage", "action", "interpretation", "licensed", "unlicensed",
                             "intervention", "alerts"}
+
+
+def test_occupancy_alerts_name_dead_and_overloaded_experts_as_a_bounded_list():
+    """Every channel gets the event's text: it names the experts per layer, the first three and a count."""
+    cfg = AtlasConfig.from_dict({"alerts": {"rules": [{"metric": "dead_experts", "op": ">", "value": 4,
+                                                       "scope": "any_layer"}]}})
+    load = [0 if e in (3, 7, 12, 20, 21, 22, 23, 40) else 10 for e in range(48)]
+    load[5] = 200
+    record = {"step": 30, "layers": [{"name": "model.layers.2.mlp", "index": 2, "dead_experts": 8,
+                                      "expert_load": load},
+                                     {"name": "model.layers.3.mlp", "index": 3, "dead_experts": 0,
+                                      "expert_load": [10] * 48}]}
+    engine = AlertEngine(cfg.alerts, cfg.lifecycle)
+    engine.load_state_dict({"last_stage": "prepare"})
+    events = {e.key: e for e in engine.evaluate({"step": 30, "stage": "intervene", "status": "RED"}, record)}
+    named = "Experts: layer 2: experts 3, 7, 12 (+5 more) dead; expert 5 overloaded."
+    assert events["stage:intervene"].text.endswith(named) and events["stage:intervene"].level == "ERROR"
+    assert events["rule:" + cfg.alerts.rules[0].name].text.endswith(named)
+    assert "layer 3" not in events["stage:intervene"].text  # a layer with nothing to name is left out

@@ -182,9 +182,11 @@ def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, can
 
 @pytest.mark.parametrize("mode", ["gate", "collecting a baseline", "with drift", "one call per layer"])
 def test_a_gate_is_one_forward_pass(model, canary, mode):
-    """Counts calls, not seconds: one model forward per micro-batch; per layer, the experts are called as often
-    as keeps each call within the forward's own expert rows (N k), the competitors and anchors riding along
-    in the last call; with a large ``token_chunk`` that is one call. The adapter self-check adds two calls per
+    """Counts calls, not seconds: one model forward per micro-batch; per layer and micro-batch, one call of the
+    experts for the active set (the rows of the model's own call) and as many for the competitors as keep each
+    within the forward's own expert rows (N k), the anchors riding along in the last; with a large
+    ``token_chunk`` that is one. At its first call a layer also runs the experts' own forward (which its
+    combine must equal bit for bit), as does a padded micro-batch; the adapter self-check adds two calls per
     layer and gate, on a few tokens."""
     cfg = CFG if mode != "one call per layer" else AtlasConfig.from_dict(
         {"receipts": {**CFG.to_dict()["receipts"], "token_chunk": 1 << 20}})
@@ -213,30 +215,35 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
     d, tokens = layers[0].hidden_size, [(e - s) * canary.window for s, e in batches]
     per_call = [cfg.receipts.token_chunk or max(n * k // 2, FIELD_ROWS_BUDGET // d) // (k + 1) for n in tokens]
     expected = sum(math.ceil(n / c) for n, c in zip(tokens, per_call)) * len(layers)
-    assert expected == len(batches) * len(layers)  # a narrow model: one call per layer and micro-batch
-    # plus, per layer and gate, the adapter self-check's two calls on SAMPLE_TOKENS tokens (fields, experts' own)
-    assert calls["experts"] == expected + 2 * len(layers)
+    assert expected == len(batches) * len(layers)  # a narrow model: one competitors' call per layer and micro-batch
+    padded = sum(e - s < cfg.receipts.batch_windows for s, e in batches)
+    # plus the active sets' calls, the experts' own forward at each layer's first and padded calls, and the
+    # adapter self-check's two calls on SAMPLE_TOKENS tokens (fields, experts' own)
+    assert calls["experts"] == 2 * expected + (1 + padded) * len(layers) + 2 * len(layers)
 
 
 def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model, canary, monkeypatch):
     """With a budget below one micro-batch's rows, the fields come in several calls, each within half the
-    forward's (token, expert) rows, and every receipt is unchanged."""
+    forward's (token, expert) rows, and every receipt is unchanged (the unfused path, where every field is
+    evaluated in chunks; the fused path evaluates the active set in the model's own rows)."""
     import atlas_tracking.engine.capture as capture
 
+    cfg = AtlasConfig.from_dict({"receipts": {**CFG.to_dict()["receipts"], "fuse_experts": False}})
     one = measure(model, canary, config=CFG)
     layers = find_routed_layers(model)
     rows: list[int] = []
     original = type(layers[0].experts).forward
 
-    def counting(self, hidden_states, *a, **kw):
-        rows.append(hidden_states.shape[0])
-        return original(self, hidden_states, *a, **kw)
+    def counting(self, hidden_states, top_k_index, *a, **kw):
+        if top_k_index.shape[-1] == 1:  # the gate's field calls (the model's own call hands k per token)
+            rows.append(hidden_states.shape[0])
+        return original(self, hidden_states, top_k_index, *a, **kw)
 
     monkeypatch.setattr(capture, "FIELD_ROWS_BUDGET", 1)
     # only the capture's field calls are counted here: the self-check's own two calls are left out
     monkeypatch.setattr(SelfCheck, "_expert_checks", lambda self, *a: torch.float32)
     monkeypatch.setattr(type(layers[0].experts), "forward", counting)
-    chunked = measure(model, canary, config=CFG)
+    chunked = measure(model, canary, config=cfg)
     n, k = CFG.receipts.batch_windows * canary.window, layers[0].top_k
     per_batch = len(rows) // (len(canary.batches(CFG.receipts.batch_windows)) * len(layers))
     assert per_batch == math.ceil(n / (n * k // 2 // (k + 1)))

@@ -38,7 +38,9 @@ def _record(step, alerts=()):
 
 
 def _deliver(delivery, record):
+    """One gate, then the wait for the sink's background queue (as at the end of training)."""
     delivery.gate(record, gate_metrics(record), record["log_step"], record["alerts"])
+    delivery.wait(timeout_s=10.0)
 
 
 def test_ledger_is_written_only_once_a_tracker_run_holds_the_gate_and_its_alerts(tmp_path):
@@ -70,6 +72,7 @@ def test_a_full_backlog_drops_whole_gates_and_the_catch_up_sends_them_from_the_r
     assert [g[1] for g in tracker.got] == [20, 30, 40]
     history = read_history(tmp_path)
     assert delivery.catch_up(history, gate_metrics, lambda r: r["log_step"]) == 1
+    delivery.wait(timeout_s=10.0)
     assert [g[1] for g in tracker.got] == [20, 30, 40, 10]
     assert delivery.catch_up(history, gate_metrics, lambda r: r["log_step"]) == 0
 
@@ -82,6 +85,7 @@ def test_a_new_tracker_run_catches_up_with_the_whole_history(tmp_path):
     fresh = StandInTracker("run-2")
     second = Delivery(local, [fresh])
     assert second.catch_up(read_history(tmp_path), gate_metrics, lambda r: r["log_step"]) == 2
+    second.wait(timeout_s=10.0)
     assert fresh.got == [("gate", 10, 9), ("alert", 10), ("gate", 20, 19), ("alert", 20)]
     again = Delivery(local, [StandInTracker("run-1")])
     assert again.catch_up(read_history(tmp_path), gate_metrics, lambda r: r["log_step"]) == 0

@@ -1,0 +1,100 @@
+"""A run's gates for the terminal: one row per gate, the failed gates, and what each tracker still lacks.
+
+:func:`gate_table` is the table (``ref`` is the step the deltas are against: the baseline, or the
+previous gate in pretraining); :func:`run_gates` reads a run directory into the rows, the failed
+gates of ``errors.jsonl`` and the backlog of each tracker (the history's gates that ``delivered.jsonl``
+does not note for the sink's latest tracker run); :func:`format_run_gates` prints it, as
+``atlas-tracking gates RUN_DIR`` does (docs/cli.md).
+
+Example:
+    >>> import tempfile
+    >>> from atlas_tracking.artifacts.history import append_line
+    >>> d = Path(tempfile.mkdtemp())
+    >>> for step in (0, 10):
+    ...     append_line(d / "gates.jsonl", {"step": step, "branch": "a", "c2": 0.05, "status": "GREEN",
+    ...                                     "stage": "clean", "phase": "post_training"})
+    >>> append_line(d / "delivered.jsonl", {"step": 0, "branch": "a", "sink": "wandb", "run": "r1"})
+    >>> append_line(d / "errors.jsonl", {"step": 20, "branch": "a", "error": "RuntimeError: out of memory"})
+    >>> print(format_run_gates(run_gates(d)))  # doctest: +NORMALIZE_WHITESPACE
+    step  loss  c2      dc2  dead  minH  cv  nll  ref  phase          status  stage  ready  alerts
+    ----  ----  ------  ---  ----  ----  --  ---  ---  -------------  ------  -----  -----  ------
+    0     -     0.0500  -    -     -     -   -    -    post_training  GREEN   clean  -      -
+    10    -     0.0500  -    -     -     -   -    -    post_training  GREEN   clean  -      -
+    failed gates: 1
+      step 20: RuntimeError: out of memory
+    not yet delivered: wandb (run r1): 1 gate(s), steps 10
+    to deliver them, resume the run from a checkpoint: each tracker run is sent the gates delivered.jsonl does not list (docs/trackers.md#catch-up)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.artifacts.history import gates_file, key, read_history, read_lines
+from atlas_tracking.artifacts.run_dir import RunDir
+from atlas_tracking.viz.tables import format_table
+
+HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
+          "alerts"]
+"""The columns of :func:`gate_table`: the key receipts, the phase, status, stage, readiness and alert levels."""
+
+
+def _row(r: dict[str, Any]) -> list[Any]:
+    handoff = r.get("handoff")
+    return [r["step"], r.get("loss"), r.get("c2"), r.get("c2_delta"), r.get("dead_experts"), r.get("min_entropy"),
+            r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), r.get("status"),
+            r.get("stage"), "-" if not handoff else ("yes" if handoff["ready"] else "no"),
+            ",".join(a["level"] for a in r.get("alerts", [])) or "-"]
+
+
+def gate_table(recs: list[dict[str, Any]]) -> str:
+    """One row per gate of a history (:data:`HEADER`)."""
+    return format_table(HEADER, [_row(r) for r in recs])
+
+
+def backlog(run: RunDir, history: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tracker sink named in ``delivered.jsonl``: its latest tracker run and the history's steps it lacks;
+    a sink that ``backlog.json`` names and ``delivered.jsonl`` does not (it never received a gate) is listed
+    with the steps it lacked when training ended."""
+    latest: dict[str, str] = {}
+    for line in read_lines(run.delivered):
+        if line.get("sink") is not None and line.get("run") is not None:
+            latest[line["sink"]] = line["run"]
+    out = {}
+    for sink, tracker_run in latest.items():
+        have = run.delivered_keys(sink, tracker_run)
+        out[sink] = {"run": tracker_run, "missing_steps": [r["step"] for r in history if key(r) not in have]}
+    for sink, entry in run.waiting().items():
+        if sink not in out:
+            out[sink] = {"run": entry["run"], "missing_steps": [step for step, _ in entry["steps"]]}
+    return out
+
+
+def run_gates(path: str | Path) -> dict[str, Any]:
+    """A run directory (or its gates file) read for the terminal: rows, failed gates and the trackers' backlog."""
+    file = gates_file(path)
+    run = RunDir(file.parent)
+    history = read_history(file)
+    failed = [{"step": e["step"], "branch": e.get("branch"), "error": e.get("error")} for e in read_lines(run.errors)]
+    return {"gates_file": str(file), "header": HEADER, "rows": [_row(r) for r in history], "failed": failed,
+            "backlog": backlog(run, history)}
+
+
+def format_run_gates(summary: dict[str, Any]) -> str:
+    """The text ``atlas-tracking gates`` prints for :func:`run_gates`' answer."""
+    lines = [format_table(summary["header"], summary["rows"])]
+    if summary["failed"]:
+        lines.append(f"failed gates: {len(summary['failed'])}")
+        lines += [f"  step {e['step']}: {e['error']}" for e in summary["failed"]]
+    for sink, entry in summary["backlog"].items():
+        missing = entry["missing_steps"]
+        if missing:
+            lines.append(f"not yet delivered: {sink} (run {entry['run']}): {len(missing)} gate(s), steps "
+                         + ", ".join(map(str, missing)))
+        else:
+            lines.append(f"delivered: {sink} (run {entry['run']}) holds every gate of the history")
+    if any(entry["missing_steps"] for entry in summary["backlog"].values()):
+        lines.append("to deliver them, resume the run from a checkpoint: each tracker run is sent the gates "
+                     "delivered.jsonl does not list (docs/trackers.md#catch-up)")
+    return "\n".join(lines)
