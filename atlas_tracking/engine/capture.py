@@ -490,12 +490,25 @@ class LayerCapture:
             u = torch.split(self.evaluator(rows_all, idx_all), sizes)
         return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
 
+    def _anchor_calls(self, anchors: list[AnchorBatch], like: torch.Tensor) -> list[torch.Tensor]:
+        """Each anchor batch's fields in a call of its own, so a baseline's anchors and the same anchors read at a
+        later gate go through calls with the same rows: parts that did not change drift by exactly 0, whatever
+        the rest of the micro-batch. Every rank makes one call per reference a gate collects or reads (empty
+        where a micro-batch holds no anchors), so an expert-parallel group's exchanges stay in step."""
+        targets = 0 if self.anchor_slices is None else int(self.collect) + sum(
+            ref is not None for ref in self.references.values())
+        fields = [self._pair_call([(a.g, a.experts)], like)[0] for a in anchors]
+        for _ in range(targets - len(anchors)):
+            self._pair_call([], like)
+        return fields
+
     def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
                handed: Handed | None = None, combines: tuple[str, ...] = ()) -> FieldReceipts:
         """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
 
         Per token: the active set and the adjacent competitor; at the boundary candidates, the random
-        competitor; and each anchor batch's experts. A chunked call of the field evaluator holds at most
+        competitor; and each anchor batch's experts (in calls of their own, see :meth:`_anchor_calls`). A chunked
+        call of the field evaluator holds at most
         ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
         since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
         so narrow models make one call), and only per-token reductions outlive it: State2 comes from
@@ -515,7 +528,7 @@ class LayerCapture:
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
         rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
-        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *((a.g, a.experts) for a in anchors)]
+        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
         width = k + 1 if handed is None else 1  # rows per token in a chunked call
         per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
@@ -548,7 +561,8 @@ class LayerCapture:
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
             if t1 == n:
-                u_rand, *u_anchors = u_groups[1:]
+                u_rand = u_groups[1]
+        u_anchors = self._anchor_calls(anchors, g2)
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
         return FieldReceipts(
             c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,

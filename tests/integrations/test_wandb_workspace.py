@@ -44,6 +44,7 @@ def logged_run(tmp_path_factory):
         with torch.no_grad():
             module.model.model.layers[0].mlp.gate.weight.mul_(3.0)  # move the router so drift keys are non-zero
         gate.run(10, loss=3.5)
+        gate.finish()  # tracker calls run in the background: the end of training waits for them
         run_dir = Path(run.dir).parent
         run.finish()
     data = wait_for_offline_run(run_dir)

@@ -184,10 +184,10 @@ def test_fused_and_unfused_experts_agree_and_the_forward_is_unchanged(model, can
 def test_a_gate_is_one_forward_pass(model, canary, mode):
     """Counts calls, not seconds: one model forward per micro-batch; per layer and micro-batch, one call of the
     experts for the active set (the rows of the model's own call) and as many for the competitors as keep each
-    within the forward's own expert rows (N k), the anchors riding along in the last; with a large
-    ``token_chunk`` that is one. At its first call a layer also runs the experts' own forward (which its
-    combine must equal bit for bit), as does a padded micro-batch; the adapter self-check adds two calls per
-    layer and gate, on a few tokens."""
+    within the forward's own expert rows (N k), the random competitors riding along in the last; with a large
+    ``token_chunk`` that is one; the anchors come in a call of their own. At its first call a layer also runs
+    the experts' own forward (which its combine must equal bit for bit), as does a padded micro-batch; the
+    adapter self-check adds two calls per layer and gate, on a few tokens."""
     cfg = CFG if mode != "one call per layer" else AtlasConfig.from_dict(
         {"receipts": {**CFG.to_dict()["receipts"], "token_chunk": 1 << 20}})
     baseline = Baseline.from_report(measure(model, canary, config=cfg)) if mode == "with drift" else None
@@ -217,9 +217,11 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
     expected = sum(math.ceil(n / c) for n, c in zip(tokens, per_call)) * len(layers)
     assert expected == len(batches) * len(layers)  # a narrow model: one competitors' call per layer and micro-batch
     padded = sum(e - s < cfg.receipts.batch_windows for s, e in batches)
-    # plus the active sets' calls, the experts' own forward at each layer's first and padded calls, and the
-    # adapter self-check's two calls on SAMPLE_TOKENS tokens (fields, experts' own)
-    assert calls["experts"] == 2 * expected + (1 + padded) * len(layers) + 2 * len(layers)
+    # plus the active sets' calls, one call per micro-batch for the anchors a baseline collects or drift reads,
+    # the experts' own forward at each layer's first and padded calls, and the adapter self-check's two calls on
+    # SAMPLE_TOKENS tokens (fields, experts' own)
+    anchors = expected if mode in ("collecting a baseline", "with drift") else 0
+    assert calls["experts"] == 2 * expected + anchors + (1 + padded) * len(layers) + 2 * len(layers)
 
 
 def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model, canary, monkeypatch):
@@ -246,10 +248,10 @@ def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model
     chunked = measure(model, canary, config=cfg)
     n, k = CFG.receipts.batch_windows * canary.window, layers[0].top_k
     per_batch = len(rows) // (len(canary.batches(CFG.receipts.batch_windows)) * len(layers))
-    assert per_batch == math.ceil(n / (n * k // 2 // (k + 1)))
-    assert per_batch > 1
+    assert per_batch == math.ceil(n / (n * k // 2 // (k + 1))) + 1  # the chunks, then the anchors' own call
+    assert per_batch > 2
     for calls in np.array(rows).reshape(-1, per_batch):  # per layer and micro-batch, in order
-        assert all(r <= n * k // 2 for r in calls[:-1])  # the last call also carries competitors and anchors
+        assert all(r <= n * k // 2 for r in calls[:-2])  # the last chunk also carries the random competitors
     for a, b in zip(one.layers, chunked.layers):
         for key in ("c2", "margin_mean", "ov_cf", "v2_c1", "v2_c2", "transition_incompat"):
             assert a["receipts"][key] == pytest.approx(b["receipts"][key], abs=1e-6), key
