@@ -48,6 +48,7 @@ from atlas_tracking.artifacts.handoff_reference import HandoffReference, pinned_
 from atlas_tracking.artifacts.history import append_line, key, new_id, read_history
 from atlas_tracking.artifacts.io import sha256_text, write_atomic
 from atlas_tracking.artifacts.record import gate_metrics, gate_record
+from atlas_tracking.artifacts.retention import Plan, pinned_steps, pruned_note, remove, step_of
 from atlas_tracking.artifacts.run_dir import RunDir, RunDirError
 from atlas_tracking.decisions.alerts import AlertEngine
 from atlas_tracking.decisions.phases import model_vocab_size
@@ -276,6 +277,7 @@ class AtlasGate:
         self._load_existing_baseline()
         self._pinned_reference()
         resume = self._resume_pending
+        pruned_reference = _from_rank_zero(self._pruned_reference() if _is_rank_zero() else None) if resume else None
         # In pretraining every gate becomes the next one's reference (docs/policy.md#lifecycle-phases).
         new_baseline = self.baseline is None or resume or self.policy.rolls_reference
         config, protection = self._protection(step)
@@ -304,6 +306,8 @@ class AtlasGate:
             record["log_step"] = int(log_step)
         if resume and self._canary_changed_from:
             record["canary_changed_from"] = self._canary_changed_from
+        if pruned_reference is not None:
+            record["reference_pruned"] = pruned_reference
         record["vocab_size"] = self.vocab_size
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
@@ -315,8 +319,11 @@ class AtlasGate:
         self.gates_run += 1
         self.lineage.append([int(step), self.branch])
         record["gate_seconds"] = time.perf_counter() - t0
+        plan, retained = _from_rank_zero(self._retention_plan() if _is_rank_zero() else None)
+        record.update(retained)  # named in the record before anything is removed
         if _is_rank_zero():
             self._deliver(record, report, events)
+            self._prune(plan)
         self.seconds_total += time.perf_counter() - t0
         return record
 
@@ -351,6 +358,66 @@ class AtlasGate:
         if new_baseline:
             self.param_reference.take(self.model, self.layers, step=step)
         return drift
+
+    # --- retention (docs/record.md#retention) ------------------------------------------------------
+    def _pruned_reference(self) -> str | None:
+        """At a resume whose restored reference retention removed: that folder and the gate that pruned it."""
+        note = pruned_note(self.baseline_path) if self.baseline_path else None
+        if note is None:
+            return None
+        log.warning("atlas: the restored reference %s was %s; the resume gate is a new baseline with no drift "
+                    "against it", self.baseline_path, note)
+        return f"{self.baseline_path}: {note}"
+
+    def _kept_baselines(self) -> set[str]:
+        """Folder names under ``baselines/`` that stay: the current reference, the post-training base, a declared
+        handoff reference in this run directory and the history's last ``gate.keep_baselines`` baselines."""
+        names = [self.run_dir.baseline_dir(int(s), b).name for s, b in self.lineage]
+        recent = [n for n in names if (self.run_dir.baselines / n).is_dir()][-self.config.gate.keep_baselines:]
+        kept = {Path(p).name for p in (self.baseline_path, self.base_path) if p} | set(recent)
+        inside = self._in_run_dir(self.run_dir.baselines)
+        return kept | ({inside} if inside else set())
+
+    def _in_run_dir(self, folder: Path) -> str | None:
+        """The first name under ``folder`` of a declared handoff reference path that lives there, else None."""
+        spec = self.config.lifecycle.handoff_reference
+        if spec is None or pinned_step(spec) is not None:
+            return None
+        try:
+            return Path(spec).resolve().relative_to(folder.resolve()).parts[0]
+        except (ValueError, IndexError):
+            return None
+
+    def _retention_plan(self) -> tuple[Plan, dict[str, Any]]:
+        """What this gate's retention removes and the record fields that name it (read on rank zero)."""
+        gate = self.config.gate
+        pinned = pinned_steps(self.run_dir.path, gate.pin_baselines)
+        fields: dict[str, Any] = {"retention": {"keep_baselines": gate.keep_baselines,
+                                                "keep_receipts": gate.keep_receipts, "pinned": sorted(pinned)}}
+        try:
+            plan = Plan.of_baselines(self.run_dir.path, self._kept_baselines(), pinned)
+            steps = [int(s) for s, _ in self.lineage]
+            if gate.keep_receipts is not None and len(steps) > gate.keep_receipts:
+                reference = self._in_run_dir(self.run_dir.receipts)
+                keep = {pinned_step(self.config.lifecycle.handoff_reference or ""),
+                        step_of(reference) if reference else None}
+                plan.add_receipts(self.run_dir.path, steps[-gate.keep_receipts], {s for s in keep if s is not None})
+        except OSError as exc:
+            log.warning("atlas: retention cannot read %s (%s); nothing pruned at this gate", self.run_dir.path, exc)
+            return Plan(), fields
+        return plan, {**fields, **plan.fields()}
+
+    def _prune(self, plan: Plan) -> None:
+        """Remove what the record line just written names; a failure is a warning (the next gate tries again)."""
+        gone = plan.baselines + plan.receipts
+        try:
+            remove(self.run_dir.path, gone)
+        except Exception as exc:  # monitoring never stops training
+            log.warning("atlas: retention could not remove %s (%s); the next gate tries again", gone, exc)
+            return
+        if gone:
+            log.info("atlas: retention pruned %s, freeing %d bytes (gate.keep_baselines: %s, gate.keep_receipts: %s)",
+                     ", ".join(gone), plan.bytes, self.config.gate.keep_baselines, self.config.gate.keep_receipts)
 
     def _tracker_step(self, record: dict[str, Any]) -> int:
         return int(record.get("log_step", record["step"]))

@@ -5,8 +5,9 @@ are its fp32 logits, the routing distribution their softmax. The model's own dis
 from the gate's sparse routes: routes a capacity limit dropped (index -1) keep the router's
 top-k choice in the active set with weight 0, and are counted as ``dropped_routes``. During a
 gate the top-2 Gumbel sampling of the second expert is switched off (deterministic routing) and
-random token selection draws from a fixed seed. A residual MoE (``use_residual``) contributes
-its ``mlp`` through the ``coefficient`` mix as the transport baseline. With ``ep_size > 1`` rank ``r``
+random token selection draws from a seed of each micro-batch and layer, the same at every world
+size (``seed_router``). A residual MoE (``use_residual``) contributes its ``mlp`` through the
+``coefficient`` mix as the transport baseline. With ``ep_size > 1`` rank ``r``
 of the layer's expert-parallel group holds experts ``r * n_local .. (r + 1) * n_local - 1``
 (``expert_placement``); a gate asks the owning rank for the fields of experts held elsewhere
 (``atlas_tracking.engine.fields``). ``zero3_gathered`` gathers ZeRO-3 partitions for ``atlas_tracking.engine.sharding``.
@@ -82,6 +83,12 @@ class DeepSpeedMoELayer(RoutedLayer):
 
     def gate_context(self) -> contextlib.AbstractContextManager:
         return _deterministic_gate(self.router)
+
+    def seed_router(self, seed: int) -> None:
+        """Random token selection (``use_rts``, the default at top-1) ranks the tokens over an expert's capacity
+        by a uniform draw on the router's device: seeded per micro-batch and layer, it drops the same tokens
+        at every world size (docs/distributed.md#random-routing)."""
+        device_generator(self.router.wg.weight.device).manual_seed(seed)
 
     def _coefficients(self, g: torch.Tensor) -> torch.Tensor | None:
         if not getattr(self.block, "use_residual", False):
@@ -167,17 +174,32 @@ class DeepSpeedMoELayer(RoutedLayer):
         return mlp * coef[:, 1:].to(mlp.dtype)
 
 
+def device_generator(device: torch.device) -> torch.Generator:
+    """The default generator torch draws from on ``device``, the one random token selection draws from.
+
+    >>> device_generator(torch.device("cpu")) is torch.default_generator
+    True
+    """
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    return module.default_generators[device.index if device.index is not None else module.current_device()]
+
+
 @contextlib.contextmanager
 def _deterministic_gate(gate: nn.Module) -> Iterator[None]:
-    """No Gumbel sampling of the second expert, and a fixed seed for random token selection."""
+    """No Gumbel sampling of the second expert during a gate, and the generator that random token selection
+    draws from (seeded before each router call by ``seed_router``) given back its state afterwards, so the
+    training run's random stream is the one it would have been without the gate."""
     sampling = getattr(gate, "top2_2nd_expert_sampling", False)
+    generator = device_generator(gate.wg.weight.device)
+    state = generator.get_state()
     gate.top2_2nd_expert_sampling = False
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        try:
-            yield
-        finally:
-            gate.top2_2nd_expert_sampling = sampling
+    try:
+        yield
+    finally:
+        gate.top2_2nd_expert_sampling = sampling
+        generator.set_state(state)
 
 
 def _make(name: str, index: int, block: nn.Module, parent: nn.Module, norm: nn.Module | None = None):

@@ -6,7 +6,7 @@ a correction bias ranked inside the best groups, masked experts filled with 0, o
 the weights times ``config.routed_scaling_factor``, experts as an ``nn.ModuleList`` of ``LLaMAMLP`` and
 optional ``shared_experts``. The pre-norm is the block's ``norm_2`` (``norm_1`` under a shared attention
 norm); LitGPT's ``RMSNorm(add_unit_offset=True)`` has a zero-centred ``(1 + w)`` gain. LayerNorm configs
-are refused (their norm is mean-centred). Blocks are found by class inside a ``GPT`` and through the
+(``torch.nn.LayerNorm``) are read on the LayerNorm state (docs/receipts.md#layernorm-state). Blocks are found by class inside a ``GPT`` and through the
 wrappers of its Fabric / Lightning training scripts (``_FabricModule``, a ``LightningModule``); LitGPT
 itself is not imported here.
 
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
-from atlas_tracking.adapters.families import LAYERNORM
 from atlas_tracking.adapters.routers import BiasedScores, GroupLimit, distribution
 
 GROUPED = BiasedScores(groups=GroupLimit(n_group="block.config.n_expert_groups", topk_group="block.config.n_topk_groups",
@@ -103,8 +102,6 @@ def _make(name: str, index: int, block: nn.Module, parent: nn.Module) -> RoutedL
     if norm is None or isinstance(norm, nn.Identity):
         raise NoRoutedLayersError(f"LitGPT MoE block {name}: its Block has no pre-norm in front of the MoE "
                                   "(norm_2 is disabled), so there is no gate input g = Gamma z")
-    if type(norm).__name__ == "LayerNorm":
-        raise NoRoutedLayersError(f"LitGPT MoE block {name} cannot be read exactly: {LAYERNORM}")
     return LitGPTMoELayer(name, index, block, norm, block.gate, block.experts)
 
 

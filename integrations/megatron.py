@@ -8,13 +8,15 @@ distribution, the active set and the model's combine weights. ``MegatronMoELayer
 ``SequentialMLP`` or the legacy grouped-GEMM ``GroupedMLP``, optional ``.shared_experts``), handles
 sequence-first hidden states, zero-centred gamma norms, and expert parallelism (the block's
 ``ep_group`` and ``local_expert_indices``: a gate asks the owning rank for fields of experts held
-elsewhere, see ``atlas_tracking.engine.fields``). Megatron-Core is not imported here: layers are matched by
+elsewhere, see ``atlas_tracking.engine.fields``). During a gate the router's input jitter
+(``moe_input_jitter_eps``) is switched off. Megatron-Core is not imported here: layers are matched by
 class name, and ``TopKRouter.gating`` (which moves weights to CUDA) is never called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +92,20 @@ def megatron_selection(logits: torch.Tensor, spec: RouterSpec) -> Routing:
                    rho=rho / rho.sum(dim=1, keepdim=True))
 
 
+def _unjittered(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@contextlib.contextmanager
+def _without_input_jitter(router: nn.Module) -> Iterator[None]:
+    """The router's ``apply_input_jitter`` shadowed by the identity on this router only (its config is shared)."""
+    router.apply_input_jitter = _unjittered
+    try:
+        yield
+    finally:
+        del router.apply_input_jitter
+
+
 class MegatronMoELayer(RoutedLayer):
     """A Megatron-Core ``MoELayer`` inside a ``TransformerLayer``."""
 
@@ -140,6 +156,11 @@ class MegatronMoELayer(RoutedLayer):
 
     def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
         return torch.where(torch.isinf(routing.scores) & (routing.scores < 0), 0.0, routing.scores)
+
+    def gate_context(self) -> contextlib.AbstractContextManager:
+        """``moe_input_jitter_eps`` multiplies the router's input by a uniform draw in eval mode too: switched off
+        during a gate, so the router routes the input the gate reads (docs/distributed.md#random-routing)."""
+        return _without_input_jitter(self.router)
 
     def route(self, g: torch.Tensor) -> Routing:
         g = g.reshape(-1, g.shape[-1])

@@ -18,6 +18,7 @@ from typing import Any
 from atlas_tracking.schema.record import ALERT_LEVELS, FAILED, badge
 from atlas_tracking.sinks.figures import FigureGuard
 from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, fig_layer_c2, pyplot
+from atlas_tracking.viz.tables import top1
 
 _KEY_OK = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
@@ -97,7 +98,7 @@ class MlflowSink:
         layers = record.get("layers", [])
         self._c2_history.append((gate_step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
-        if self.figures and layers:
+        if self.figures and layers and not top1(record):  # top-1 routing: no C2 to draw
             for figure, draw, name in (
                 ("C2 per layer", lambda: fig_layer_c2(layers, f"C2 per layer, step {gate_step}"),
                  f"c2_by_layer_{gate_step:08d}.png"),

@@ -17,6 +17,7 @@ from atlas_tracking.receipts.experts import OVERLOAD_FACTOR, expert_shares, shar
 from atlas_tracking.schema.record import FAILED, badge
 from atlas_tracking.sinks.figures import FigureGuard
 from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, png_bytes
+from atlas_tracking.viz.tables import top1
 
 TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
                  "ov_cf", "v2_c1", "v2_c2", "coord_drift", "boundary_drift", "content_drift", "c2_delta")
@@ -81,7 +82,9 @@ class WandbSink:
                     for lay in layers]
             table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
             payload["atlas/layers"] = table
-            payload["atlas/c2_by_layer"] = wandb.plot.bar(table, "layer", "c2", title=f"C2 per layer (step {gate_step})")
+            if not top1(record):  # top-1 routing: no C2 to chart
+                payload["atlas/c2_by_layer"] = wandb.plot.bar(table, "layer", "c2",
+                                                              title=f"C2 per layer (step {gate_step})")
             payload["atlas/dead_by_layer"] = wandb.plot.bar(table, "layer", "dead_experts",
                                                             title=f"Dead experts per layer (step {gate_step})")
         experts = expert_rows(layers)
@@ -97,7 +100,7 @@ class WandbSink:
         payload["atlas/gate"] = status
         self._history.append((gate_step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
-        if self.heatmap and layers:
+        if self.heatmap and layers and not top1(record):
             image = self._figures.draw("C2 heatmap", lambda: wandb.Image(self._heatmap_png(), caption="C2: layers x gates"))
             if image is not None:
                 payload["atlas/c2_heatmap"] = image

@@ -6,7 +6,9 @@ into a ``wandb_workspaces.workspaces.Workspace`` (no network) and :func:`save_wo
 a W&B project (needs a W&B login). Sections, top to bottom: the verdict (status, stage, loss beside
 C2, the gate table), occupancy, State2 and the V2 axes, drift and the lifecycle margins, and, closed
 by default, the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
-workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section.
+workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section. For a
+top-1 model (a record whose gates state ``c2_absent: top-1 routing``) the panels whose only series is C2 are
+markdown panels titled "C2: n/a (top-1)": the sink logs no C2 key there.
 
 Example (offline: the layout for a 4-layer model):
     >>> from atlas_tracking.integrations.wandb_workspace import workspace_sections, logged_keys
@@ -14,6 +16,8 @@ Example (offline: the layout for a 4-layer model):
     ['atlas: verdict', 'atlas: occupancy', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: per layer']
     >>> "atlas/layer_03/c2" in logged_keys(workspace_sections(n_layers=4))
     True
+    >>> [p.title for p in workspace_sections(n_layers=4, top1=True)[2].panels][0]
+    'C2: n/a (top-1)'
 
 From the command line (``--print`` shows the layout without contacting W&B)::
     atlas-tracking wandb-workspace --entity ENTITY --project PROJECT --record atlas/gates.jsonl
@@ -32,8 +36,9 @@ from atlas_tracking.integrations.wandb import STEP_KEY
 from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.schema.record import LAYER_METRICS, METRIC_NAMES
 from atlas_tracking.sinks.jsonl import JsonlSink
+from atlas_tracking.viz.tables import NA_TOP1, top1
 
-PanelKind = Literal["line", "media", "bar", "table"]
+PanelKind = Literal["line", "media", "bar", "table", "markdown"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class PanelSpec:
     """History keys the panel reads (for ``bar``: the table key ``wandb.plot.bar`` logs)."""
     fields: dict[str, str] = field(default_factory=dict)
     """Bar charts: the table columns for the label and the value."""
+    text: str = ""
+    """Markdown panels: what they say."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,41 @@ def _bar(title: str, chart_key: str, value: str) -> PanelSpec:
     return PanelSpec("bar", title, (f"{chart_key}_table",), {"label": "layer", "value": value})
 
 
-def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROUPS) -> list[SectionSpec]:
+TOP1_PANEL = PanelSpec("markdown", f"C2: {NA_TOP1}", (), text=(
+    f"**C2: {NA_TOP1}.** Top-1 routing has no co-active pairs, so C2, its changes and the C2 charts are absent "
+    "(never 0); occupancy, State1, drift and State3 carry the read."))
+"""What stands where a C2 panel would be for a top-1 model."""
+
+
+def _c2_only(spec: PanelSpec) -> bool:
+    """Every series of ``spec`` is C2 or derived from it (``atlas/c2``, ``atlas/layer_03/c2_delta``, ...)."""
+    return bool(spec.keys) and all(k.split("/")[-1].startswith("c2") for k in spec.keys)
+
+
+def workspace_sections(n_layers: int, param_groups: tuple[str, ...] = PARAM_GROUPS,
+                       top1: bool = False) -> list[SectionSpec]:
     """The gate's layout for a model with ``n_layers`` routed layers (per-layer section closed).
 
     ``param_groups`` are the module groups the model's parameter drift is logged for (``atlas/param_drift/*``;
-    :func:`record_layout` reads them from a run's record; empty: no parameter-drift panels).
+    :func:`record_layout` reads them from a run's record; empty: no parameter-drift panels). ``top1``: the model
+    routes top-1 (:func:`record_top1`), and each panel whose only series is C2 is :data:`TOP1_PANEL` (once per
+    section).
     """
+    sections = _sections(n_layers, param_groups)
+    if not top1:
+        return sections
+    out = []
+    for s in sections:
+        panels: list[PanelSpec] = []
+        for p in (TOP1_PANEL if _c2_only(p) else p for p in s.panels):
+            if p is not TOP1_PANEL or TOP1_PANEL not in panels:
+                panels.append(p)
+        out.append(SectionSpec(s.name, tuple(panels), s.is_open))
+    return out
+
+
+def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]:
+    """The layout of :func:`workspace_sections` for a model with C2."""
     if n_layers < 1:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
     unknown = set(param_groups) - set(PARAM_GROUPS)
@@ -139,6 +175,12 @@ def logged_keys(sections: list[SectionSpec]) -> set[str]:
     return {key for s in sections for p in s.panels for key in p.keys}
 
 
+def record_top1(path: str | Path) -> bool:
+    """A local ``gates.jsonl`` record whose last gate states that C2 is absent because of top-1 routing."""
+    records = JsonlSink(path).records()
+    return bool(records) and top1(records[-1])
+
+
 def record_layout(path: str | Path) -> tuple[int, tuple[str, ...]]:
     """From a local ``gates.jsonl`` record: the routed-layer count of its last gate, and the module groups of
     the parameter drift in the last gate that has one (in :data:`PARAM_GROUPS` order; all of them when no
@@ -159,6 +201,8 @@ def _panel(spec: PanelSpec, x_axis: str) -> Any:
         return wr.LinePlot(title=spec.title, x=x_axis, y=list(spec.keys))
     if spec.kind == "media":
         return wr.MediaBrowser(title=spec.title, media_keys=list(spec.keys), mode="gallery", gallery_axis="step")
+    if spec.kind == "markdown":
+        return wr.MarkdownPanel(markdown=spec.text)
     if spec.kind == "bar":
         return wr.CustomChart(query={"summaryTable": {"tableKey": spec.keys[0]}}, chart_name="wandb/bar/v0",
                               chart_fields=dict(spec.fields), chart_strings={"title": spec.title})
@@ -166,7 +210,7 @@ def _panel(spec: PanelSpec, x_axis: str) -> Any:
 
 
 def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY,
-                    param_groups: tuple[str, ...] = PARAM_GROUPS) -> Any:
+                    param_groups: tuple[str, ...] = PARAM_GROUPS, top1: bool = False) -> Any:
     """A ``wandb_workspaces`` Workspace for the gate (built offline; call ``.save()`` to publish it).
 
     ``x_axis`` is the step metric the gates are logged against: ``trainer/global_step`` for Lightning's
@@ -176,35 +220,37 @@ def build_workspace(entity: str, project: str, n_layers: int, name: str = "atlas
     import wandb_workspaces.workspaces as ws
 
     sections = [ws.Section(name=s.name, panels=[_panel(p, x_axis) for p in s.panels], is_open=s.is_open)
-                for s in workspace_sections(n_layers, param_groups)]
+                for s in workspace_sections(n_layers, param_groups, top1)]
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
 
 
 def save_workspace(entity: str, project: str, n_layers: int, name: str = "atlas gate", x_axis: str = STEP_KEY,
-                   param_groups: tuple[str, ...] = PARAM_GROUPS) -> str:
+                   param_groups: tuple[str, ...] = PARAM_GROUPS, top1: bool = False) -> str:
     """Build and save the workspace to W&B; returns its URL."""
-    workspace = build_workspace(entity, project, n_layers, name, x_axis, param_groups)
+    workspace = build_workspace(entity, project, n_layers, name, x_axis, param_groups, top1)
     workspace.save()
     return str(workspace.url)
 
 
-def _spec_json(n_layers: int, x_axis: str, param_groups: tuple[str, ...]) -> str:
+def _spec_json(n_layers: int, x_axis: str, param_groups: tuple[str, ...], top1: bool = False) -> str:
     def panel(p: PanelSpec) -> dict[str, Any]:
-        return {"kind": p.kind, "title": p.title, "keys": list(p.keys), **({"x": x_axis} if p.kind == "line" else {})}
+        return {"kind": p.kind, "title": p.title, "keys": list(p.keys), **({"x": x_axis} if p.kind == "line" else {}),
+                **({"text": p.text} if p.text else {})}
 
     return json.dumps([{"section": s.name, "open": s.is_open, "panels": [panel(p) for p in s.panels]}
-                       for s in workspace_sections(n_layers, param_groups)], indent=1)
+                       for s in workspace_sections(n_layers, param_groups, top1)], indent=1)
 
 
 def cmd_wandb_workspace(args: argparse.Namespace) -> int:
     n_layers, groups = (args.layers, PARAM_GROUPS) if args.record is None else record_layout(args.record)
+    is_top1 = args.record is not None and record_top1(args.record)
     if args.print:
-        print(_spec_json(n_layers, args.x_axis, groups))
+        print(_spec_json(n_layers, args.x_axis, groups, is_top1))
         return 0
     from wandb.errors import Error as WandbError
 
     try:
-        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis, groups)
+        url = save_workspace(args.entity, args.project, n_layers, args.name, args.x_axis, groups, is_top1)
     except ImportError as exc:
         raise ValueError(f"saving a workspace needs wandb-workspaces (pip install 'atlas-tracking[wandb]'): {exc}") from None
     except WandbError as exc:  # no login, no network, an unknown entity: one line, the advice first

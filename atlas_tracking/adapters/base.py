@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from atlas_tracking.receipts.geometry import angular, layer_normalize, rms_normalize
+
 
 class NoRoutedLayersError(ValueError):
     """The model holds no module that any registered family adapter recognises."""
@@ -46,6 +48,23 @@ class Routing:
     """``[N, k]`` routes the router chose but a capacity limit dropped (weight 0), when the layer drops."""
 
 
+NORM_TYPES = ("rms", "layernorm")
+"""The pre-norms a layer is read through (docs/receipts.md#notation, docs/receipts.md#layernorm-state)."""
+LAYERNORM_CLASSES = ("LayerNorm", "FusedLayerNorm", "MixedFusedLayerNorm")
+"""Class names of mean-centred LayerNorms outside ``torch.nn`` (Transformer Engine's, Megatron's and Apex's fused
+ones); ``torch.nn.LayerNorm`` and its subclasses are recognised by type."""
+
+
+def norm_type_of(norm: nn.Module) -> str:
+    """``"layernorm"`` for a mean-centred LayerNorm (``torch.nn.LayerNorm`` or one of :data:`LAYERNORM_CLASSES`),
+    ``"rms"`` for any other norm.
+
+    >>> norm_type_of(nn.LayerNorm(4)), norm_type_of(nn.RMSNorm(4))
+    ('layernorm', 'rms')
+    """
+    return "layernorm" if isinstance(norm, nn.LayerNorm) or type(norm).__name__ in LAYERNORM_CLASSES else "rms"
+
+
 class RoutedLayer:
     """One routed MoE layer of a model, as the engine sees it.
 
@@ -64,6 +83,13 @@ class RoutedLayer:
     evaluate the active fields inside the forward (see ReceiptsConfig.fuse_experts)."""
     sequence_first: bool = False
     """Hidden states are ``[seq, batch, d]`` (Megatron) rather than ``[batch, seq, d]``."""
+    norm_type: str = "rms"
+    """The pre-norm's kind (one of :data:`NORM_TYPES`): ``"rms"``, ``z = x / rms(x)`` and ``g = Gamma z``, or
+    ``"layernorm"``, ``z = (x - mean(x)) / std(x)`` and ``g = Gamma z + beta`` (docs/receipts.md#layernorm-state).
+    Set from the norm module by :func:`norm_type_of` unless an adapter knows better."""
+    zero_experts: frozenset[int] = frozenset()
+    """Global ids of the layer's zero-computation experts (identity or no-op slots): routable slots that carry
+    no field, left out of co-active pairs, V2 distances and content drift (docs/receipts.md#zero-computation-experts)."""
 
     def __init__(self, name: str, index: int, block: nn.Module, norm: nn.Module, router: nn.Module, experts: nn.Module):
         self.name = name
@@ -73,6 +99,7 @@ class RoutedLayer:
         self.router = router
         self.experts = experts
         self.ordinal = -1
+        self.norm_type = norm_type_of(norm)
 
     # --- shape -----------------------------------------------------------------------------
     @property
@@ -96,8 +123,30 @@ class RoutedLayer:
         raise AttributeError(f"cannot find the epsilon of norm module {type(self.norm).__name__} in {self.name}")
 
     def gamma(self) -> torch.Tensor:
-        """The norm's gain Gamma (fp32), so that ``g = Gamma * z``."""
+        """The norm's gain Gamma (fp32), so that ``g = Gamma * z`` (``+ beta`` for a LayerNorm)."""
         return self.norm.weight.float()
+
+    def beta(self) -> torch.Tensor | None:
+        """The LayerNorm's bias beta (fp32); None for an RMS norm or a LayerNorm without a bias."""
+        bias = getattr(self.norm, "bias", None) if self.norm_type == "layernorm" else None
+        return None if bias is None else bias.float()
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The pre-gain state ``z`` of norm inputs ``x``, in fp32 with the norm's own epsilon."""
+        normalize = layer_normalize if self.norm_type == "layernorm" else rms_normalize
+        return normalize(x, self.norm_eps)
+
+    def direction(self, x: torch.Tensor) -> torch.Tensor:
+        """The angular state ``zh = z / ||z||`` of norm inputs ``x`` (fp32): the normalisation's positive scale
+        cancels, so it is the direction of ``x`` (of ``x - mean(x)`` for a LayerNorm)."""
+        x = x.float()
+        return angular(x - x.mean(-1, keepdim=True) if self.norm_type == "layernorm" else x)
+
+    def gain(self, z: torch.Tensor) -> torch.Tensor:
+        """The gate input ``g = Gamma z`` (``Gamma z + beta`` for a LayerNorm with a bias), in fp32."""
+        g = self.gamma() * z
+        beta = self.beta()
+        return g if beta is None else g + beta
 
     # --- routing ---------------------------------------------------------------------------
     def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
@@ -142,6 +191,12 @@ class RoutedLayer:
     def gate_context(self) -> contextlib.AbstractContextManager:
         """Entered for the whole gate (e.g. to make a sampled router deterministic)."""
         return contextlib.nullcontext()
+
+    def seed_router(self, seed: int) -> None:
+        """Called during a gate right before each call of the router, with a seed drawn from the micro-batch's
+        canary windows, this layer's ordinal and ``receipts.seed`` (docs/distributed.md#random-routing): a
+        router that draws random numbers (DeepSpeed's random token selection) seeds its draws here, so every
+        world size draws the same numbers for the same micro-batch. The default draws nothing."""
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         """Output of always-on shared experts at ``g [N, d]`` (gated as the model gates it), or None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from atlas_tracking.adapters.hf import (
     Family,
+    FlatOutputLayer,
     InputScaledLayer,
     JetMoeLayer,
     LatentLayer,
@@ -20,7 +21,14 @@ from atlas_tracking.adapters.hf import (
     TwoSlotLayer,
     register_rows,
 )
-from atlas_tracking.adapters.routers import BiasedScores, GroupLimit, TopLogits, jetmoe_read, llama4_read
+from atlas_tracking.adapters.routers import (
+    BiasedScores,
+    GroupLimit,
+    TopLogits,
+    block_read,
+    jetmoe_read,
+    llama4_read,
+)
 
 SOFTMAX = TopLogits()
 TOPK_SOFTMAX = TopLogits(kind="topk_softmax")
@@ -33,6 +41,17 @@ GATED_SHARED = Shared("shared_expert", gate="shared_expert_gate")
 
 def _routed_scaling(block) -> float:
     return float(block.routed_scaling_factor)
+
+
+def _norm_class(norm) -> str:
+    """Cohere2-MoE's config picks its norm class: an RMSNorm when ``rms_norm_eps`` is set, else a mean-centred
+    LayerNorm without a bias."""
+    return "rms" if type(norm).__name__.endswith("RMSNorm") else "layernorm"
+
+
+def _shared_average(block) -> float:
+    """Cohere2-MoE's ``"average"`` combination halves the sum of the routed and the shared experts."""
+    return 0.5 if block.num_shared_experts > 0 and block.shared_expert_combination_strategy == "average" else 1.0
 
 
 def _deepseek_v3(name: str, block: str, **kw) -> Family:
@@ -91,7 +110,7 @@ FAMILIES: tuple[Family, ...] = (
         score="softmax", bias="router.moe_statics.e_score_correction_bias", kind="softmax+bias"), shared=SHARED),
     Family("longcat_flash", ("LongcatFlashMoE",), BiasedScores(score="softmax", kind="softmax+bias, zero experts"),
            router_attr="router", norm="post_attention_layernorm.0", num_experts="router.n_routed_experts",
-           layer=TwoSlotLayer),
+           zero_experts="experts.num_routed_experts", layer=TwoSlotLayer),
     Family("minimax_m2", ("MiniMaxM2SparseMoeBlock",), BLOCK_BIAS, router_args=("block.e_score_correction_bias",)),
     Family("hy_v3", ("HYV3MoE",), BLOCK_BIAS, router_args=("block.e_score_correction_bias",), shared=SHARED),
     Family("afmoe", ("AfmoeSparseMoeBlock",), BiasedScores(bias="block.expert_bias", kind="sigmoid+bias"),
@@ -116,6 +135,17 @@ FAMILIES: tuple[Family, ...] = (
            router_attr="router", shared=Shared("shared_expert"), layer=InputScaledLayer, model_types=("llama4",)),
     Family("jetmoe", ("JetMoeMoE",), TopLogits(read=jetmoe_read, kind="topk_softmax"), router_attr="router",
            experts="input_linear", layer=JetMoeLayer),
+    # mean-centred LayerNorm pre-norms (docs/receipts.md#layernorm-state)
+    Family("dbrx", ("DbrxFFN",), BiasedScores(score="softmax", bias=None, fp32=False, read=block_read,
+                                              kind="softmax (ranked in the logits' dtype)"),
+           router_attr="router", norm="norm_attn_norm.norm_2", norm_type="layernorm",
+           num_experts="experts.num_experts", top_k="block.top_k", layer=FlatOutputLayer),
+    Family("cohere2_moe", ("Cohere2MoeSparseMoeBlock",),
+           TopLogits(gate="router.expert_selection_fn", kind="topk_softmax or topk_sigmoid (expert_selection_fn)"),
+           norm="input_layernorm", norm_type=_norm_class, scale=_shared_average,
+           shared=Shared("shared_experts", scale=_shared_average)),
+    Family("phimoe", ("PhimoeSparseMoeBlock",), TopLogits(kind="sparsemixer: top-2 logits, masked-softmax weights"),
+           router_attr="router", norm_type="layernorm", top_k=2),
     # the text models of composite (vision-language) checkpoints
     Family("qwen3_vl_moe", ("Qwen3VLMoeTextSparseMoeBlock",), SOFTMAX),
     _deepseek_v3("glm4v_moe", "Glm4vMoeTextMoE"),
@@ -123,14 +153,9 @@ FAMILIES: tuple[Family, ...] = (
                                                       kind="softmax, group-limited (mask filled with 0)"), shared=SHARED),
 )
 
-LAYERNORM = ("its pre-norm is a mean-centred LayerNorm, so the norm's pre-gain state is not z = x / rms(x) "
-             "(docs/receipts.md#notation) and neither the anchors nor the tangent fields can be formed from it")
 REFUSED: dict[str, tuple[tuple[str, ...], str]] = {
     "flex_olmo": (("FlexOlmoSparseMoeBlock",), "post-norm block: the router reads the raw residual stream (its norm "
                   "comes after the block), so there is no gate input g = Gamma z"),
-    "phimoe": (("PhimoeSparseMoeBlock",), LAYERNORM + "; its sparsemixer router is not a plain top-k either"),
-    "dbrx": (("DbrxFFN",), LAYERNORM),
-    "cohere2_moe": (("Cohere2MoeSparseMoeBlock",), LAYERNORM),
     "doge": (("DogeCDMoE",), "its product-key router views the logits of a batch as [2, tokens, keys], mixing "
              "different tokens' logits, so a token's choice is not a function of its own gate input"),
     "zaya": (("ZayaSparseMoeBlock",), "its router reads router state carried from the previous layer (EDA), so "

@@ -1,12 +1,13 @@
 """The transformers family adapter: one :class:`HFLayer` reads any row of the family table.
 
-A row (:class:`Family`) says where the pre-norm is (a path from the decoder layer), its gain
-convention (``w`` or zero-centred ``1 + w``), the router attribute and its semantics
+A row (:class:`Family`) says where the pre-norm is (a path from the decoder layer), its kind (RMSNorm or
+mean-centred LayerNorm) and gain convention (``w`` or zero-centred ``1 + w``), the router attribute and its semantics
 (``adapters/routers.py``), the shared-expert wiring (:class:`Shared`), any scaling the block
 applies to the routed sum, and which layer class reads the experts. Most families call fused
 experts as ``experts(x, top_k_index, top_k_weights)``, evaluated unweighted with unit weights;
 the few layouts that differ are the small subclasses below (Llama 4's input-scaled experts,
-JetMoE's parallel experts, Nemotron-H's latent projections, Inkling's router-gated shared experts).
+JetMoE's parallel experts, Nemotron-H's latent projections, Inkling's router-gated shared experts, DBRX's
+reshaped experts output).
 Nothing here imports transformers: blocks are matched by class name.
 """
 
@@ -59,12 +60,19 @@ class Family:
     """The pre-norm, as a path from the decoder layer holding the block."""
     gain: str = "w"
     """'w' (``g = w * z``) or '1+w' (zero-centred gain, ``g = (1 + w) * z``)."""
+    norm_type: str | Callable[[nn.Module], str] = "rms"
+    """'rms' or 'layernorm' (a mean-centred LayerNorm, ``g = Gamma z + beta``; docs/receipts.md#layernorm-state),
+    or norm module -> one of them (a family whose config picks its norm class)."""
     shared: Shared | None = None
     router_attr: str = "gate"
     scale: Scale | None = None
     """A factor the block applies to the routed sum after the experts call."""
     num_experts: str = "router.num_experts"
-    top_k: str = "router.top_k"
+    zero_experts: str | None = None
+    """Path of the number of real experts, where the ids after them (up to ``num_experts``) are zero-computation
+    experts: identity slots that carry no field (docs/receipts.md#zero-computation-experts)."""
+    top_k: str | int = "router.top_k"
+    """A path to the experts per token, or their number where the router fixes it."""
     router_args: tuple[str, ...] = ()
     """Paths of extra arguments the block passes its router (a bias held by the block)."""
     router_3d: bool = False
@@ -87,6 +95,7 @@ class HFLayer(RoutedLayer):
         self.row = row
         self.family = row.name
         self.router_kind = row.router.kind
+        self.norm_type = row.norm_type if isinstance(row.norm_type, str) else row.norm_type(norm)
 
     @property
     def num_experts(self) -> int:
@@ -94,7 +103,13 @@ class HFLayer(RoutedLayer):
 
     @property
     def top_k(self) -> int:
-        return int(resolve(self, self.row.top_k))
+        return self.row.top_k if isinstance(self.row.top_k, int) else int(resolve(self, self.row.top_k))
+
+    @property
+    def zero_experts(self) -> frozenset[int]:
+        if self.row.zero_experts is None:
+            return frozenset()
+        return frozenset(range(int(resolve(self, self.row.zero_experts)), self.num_experts))
 
     def gamma(self) -> torch.Tensor:
         weight = self.norm.weight.float()
@@ -193,12 +208,24 @@ class LatentLayer(HFLayer):
 
 class TwoSlotLayer(HFLayer):
     """LongCat-Flash: its experts' forward squeezes a one-slot routing mask away, so each (token, expert) pair is
-    called in two slots, the second with weight 0 (its zero-compute identity experts are ordinary slots)."""
+    called in two slots, the second with weight 0. Its ``zero_expert_num`` zero-computation experts, the ids after
+    the ``num_routed_experts`` real ones, return their input (the gate input ``g``) unchanged: routable slots that
+    carry no field (its row's ``zero_experts``)."""
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         call = self.experts_forward if self.experts_forward is not None else self.experts
         weights = torch.tensor([1.0, 0.0], dtype=rows.dtype, device=rows.device).expand(len(experts), 2)
         return call(rows, experts.view(-1, 1).expand(-1, 2), weights)
+
+
+class FlatOutputLayer(HFLayer):
+    """DBRX: its experts' forward reshapes its output to ``[rows, 1, d]`` and its block hands it ``[batch, seq, d]``
+    inputs, so the experts are called outside the forward (unfused) and each pair's output is read as ``[d]``."""
+
+    fusable = False
+
+    def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return super().pair_outputs(rows, experts).reshape(len(rows), -1)
 
 
 class RouterGatedSharedLayer(HFLayer):

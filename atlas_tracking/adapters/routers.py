@@ -12,8 +12,8 @@ Two kinds cover the transformers families, each a small value in the family tabl
 
 The model's own choice (active set and combine weights) is always read from the router's forward
 output (``read``), never recomputed from the scores, except for the two routers whose output does not
-hold it (Llama 4's dense score matrix, JetMoE's expert-sorted gates), where the same ``topk`` the
-model runs is repeated on the logits it returned.
+hold it (Llama 4's dense score matrix, JetMoE's expert-sorted gates, DBRX's bare logits), where the same
+choice the model runs is repeated on the logits it returned.
 
     >>> import torch
     >>> logits = torch.tensor([[2.0, 0.5, 1.0, -1.0]])
@@ -153,6 +153,13 @@ def llama4_read(layer: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor, torch
     scores, logits = out
     index = torch.topk(logits, layer.top_k, dim=1).indices
     return logits, scores.gather(1, index), index
+
+
+def block_read(layer: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routers that return only their logits while the block chooses and weighs (DBRX): the block's own
+    ``route_tokens_to_experts``, repeated on the logits the router returned."""
+    weights, index = layer.block.route_tokens_to_experts(out)
+    return out, weights, index
 
 
 def jetmoe_read(layer: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

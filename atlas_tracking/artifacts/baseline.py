@@ -1,7 +1,8 @@
 """Baselines: the reference gate stored beside a checkpoint, and drift against it.
 
 A baseline directory holds ``anchors.safetensors`` (per layer and anchor token: z0, g0, R0, p0,
-the tangent-projected base fields u0 of R0, base boundary membership b0, and Gamma0) and
+the tangent-projected base fields u0 of R0, base boundary membership b0, Gamma0, and beta0 for a LayerNorm
+with a bias) and
 ``manifest.json`` (schema version, canary and model fingerprints, config, step, anchor
 positions, reference receipts and the per-window arrays used for paired bootstraps, and the
 sha256 of the tensor file). It is loaded without pickle, and checked before use.
@@ -55,6 +56,7 @@ from atlas_tracking.schema.artifacts import (
     BASELINE_SCHEMA_VERSION,
     BASELINE_TENSORS_FILE,
     KL_TENSORS,
+    NORM_TENSORS,
     REFERENCE_KEYS,
 )
 
@@ -92,7 +94,7 @@ class Baseline:
             for key in BASE_TENSORS:
                 t = anchors[key]
                 tensors[f"{i}.{key}"] = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
-            tensors[f"{i}.gamma0"] = anchors["gamma0"].contiguous()
+            tensors.update({f"{i}.{key}": anchors[key].contiguous() for key in NORM_TENSORS if key in anchors})
         kl = report.anchors.get("kl") or {"absent": "this gate kept no base log-probabilities"}
         tensors.update({f"kl.{key}": kl[key] for key in KL_TENSORS if key in kl})
         kl_info = ({"top_k": int(kl["logp"].shape[-1]), "vocab_size": kl["vocab_size"]} if "logp" in kl

@@ -18,6 +18,7 @@ import numpy as np
 
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.io import check_header, jsonable, write_atomic
+from atlas_tracking.artifacts.retention import pruned_note
 from atlas_tracking.receipts.windows import RANGES
 from atlas_tracking.schema.artifacts import (
     BASE_DAMAGE_KEYS,
@@ -109,7 +110,8 @@ def read_artifact(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ArtifactError(f"cannot read receipts artifact {path}: {exc.strerror}") from None
+        note = pruned_note(path)  # removed by gate.keep_receipts: the record says so (docs/record.md#retention)
+        raise ArtifactError(f"cannot read receipts artifact {path}: {note or exc.strerror}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

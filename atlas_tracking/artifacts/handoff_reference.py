@@ -114,8 +114,10 @@ class HandoffReference:
             stub.check_compatible(model_layers, model_class, canary_fingerprint)
         except BaselineError as exc:
             raise HandoffReferenceError(f"handoff reference {self.source}: {exc}") from None
-        missing = [i for i, layer in enumerate(self.layers) if not isinstance(layer.get("c2"), (int, float))
+        top1 = [layer.get("top_k") == 1 for layer in self.model.get("layers", [])]
+        missing = [i for i, layer in enumerate(self.layers)
+                   if not (isinstance(layer.get("c2"), (int, float)) or (i < len(top1) and top1[i]))
                    or not isinstance(layer.get("pi_min"), (int, float))]
         if missing:
             raise HandoffReferenceError(f"handoff reference {self.source}: routed layer(s) {missing} carry no c2 or "
-                                        "pi_min, which the handoff margin reads")
+                                        "pi_min, which the handoff margin reads (a top-1 layer needs pi_min only)")

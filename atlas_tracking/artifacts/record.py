@@ -103,6 +103,8 @@ def gate_record(
         "layers": layers,
     }
     record.update({k: s[k] for k in CLIFF_FIELDS if k in s})
+    if s.get("c2_absent"):
+        record["c2_absent"] = s["c2_absent"]
     if report.drift is not None:
         record.update({k: report.drift[k] for k in fields(Margins)})  # type: ignore[misc]
         record.update({k: report.drift[k] for k in DELTA_FIELDS})  # type: ignore[misc]

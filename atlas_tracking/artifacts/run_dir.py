@@ -11,8 +11,9 @@ Layout of a run directory (``out_dir``; the Lightning callback's default is
                                 after a rewind)
     receipts/step_XXXXXXXX.json receipts of the history's gates (each record holds their sha256)
     receipts/abandoned/         receipts of abandoned gates (and files no record acknowledged)
-    baselines/step_XXXXXXXX.B/  every baseline, in its own folder, never overwritten
+    baselines/step_XXXXXXXX.B/  the baselines retention keeps, each in its own folder, never overwritten
     baseline                    link to the current baseline
+    pins.json                   the steps whose baselines retention keeps (docs/record.md#retention)
     delivered.jsonl             which gates each tracker run has received (the trackers' catch-up)
     backlog.json                the gates each sink had not received when training ended
     canaries/F.npz              the canary of fingerprint F (kept by callbacks whose framework re-creates

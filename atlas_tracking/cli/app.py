@@ -7,7 +7,7 @@ plugins: installed packages name their ``register`` under the ``atlas_tracking.c
 group, so the command line never imports an integration itself.
 
 >>> sorted(build_parser()._subparsers._group_actions[0].choices)[:4]
-['compare', 'gates', 'judge', 'measure']
+['compare', 'du', 'gates', 'judge']
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from atlas_tracking.cli import compare, gates, judge, measure, protect, replay, report, verify
+from atlas_tracking.cli import compare, du, gates, judge, measure, pin, protect, replay, report, verify
 from atlas_tracking.cli.common import EXIT_ERROR, CLIError
 
-COMMANDS = (measure, verify, compare, replay, report, judge, protect, gates)
+COMMANDS = (measure, verify, compare, replay, report, judge, protect, gates, du, pin)
 """The command modules of this package, in the order ``--help`` lists them."""
 
 PLUGIN_GROUP = "atlas_tracking.commands"

@@ -129,8 +129,10 @@ class AlertEngine:
                                    f"{'n/a' if margin is None else f'{margin:+.4f}'}.", "stage:ready", step))
         if entered and stage == Stage.clean and prev in (Stage.recovering, *BAD_STAGES) \
                 and self.cfg.on_recovered != "off":
-            out.append(self._event(self.cfg.on_recovered, f"atlas: recovered to clean at step {step}",
-                                   "C2 and occupancy recovered jointly over repeated gates.", "stage:clean", step))
+            what = (f"Occupancy recovered over repeated gates ({record['c2_absent']}: no C2)."
+                    if record.get("c2_absent") else "C2 and occupancy recovered jointly over repeated gates.")
+            out.append(self._event(self.cfg.on_recovered, f"atlas: recovered to clean at step {step}", what,
+                                   "stage:clean", step))
         return out
 
     def _predicate_events(self, decision: dict[str, Any], step: int) -> list[AlertEvent]:

@@ -6,7 +6,9 @@ and applies the paper's four checks to the paired deltas (candidate minus stress
 losses themselves:
 
 1. ``state2``: C2 (the summary, mean over routed layers) improves by more than ``policy.c2_tol``
-   (and, with paired CIs, the CI of the delta lies above 0).
+   (and, with paired CIs, the CI of the delta lies above 0). When both gates have no C2 (top-1 routing, the
+   records' ``c2_absent``) the check reads ``n/a`` (a pass, with the reason), and the fix is read from
+   occupancy: check 3 then needs occupancy to broaden (docs/policy.md#top-1-routing).
 2. ``occupancy``: occupancy broadens on all three axes: dead experts down by more than
    ``policy.dead_tol`` (two runs that both have no dead expert pass this axis: there is nothing to
    revive), min router entropy up by more than ``policy.entropy_tol`` nats, mean load CV (x100) down by
@@ -256,7 +258,8 @@ def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]]
                healthy: bool, matched: bool = True) -> dict[str, Any]:
     d = {k: (None if finite_number(c.get(k)) is None or finite_number(s.get(k)) is None else float(c[k]) - float(s[k])) for k in DELTAS}
     ci = (cis or {}).get
-    state2 = d["c2"] > pol.c2_tol and _inside(ci("c2"), "+")
+    no_c2 = d["c2"] is None  # both gates state c2_absent (checked before)
+    state2 = no_c2 or (d["c2"] > pol.c2_tol and _inside(ci("c2"), "+"))
     no_dead = float(s["dead_experts"]) == 0 and float(c["dead_experts"]) == 0
     axes = {
         "dead_experts": no_dead or (d["dead_experts"] < -pol.dead_tol and _inside(ci("dead_experts"), "-")),
@@ -275,7 +278,8 @@ def _read_pair(s: dict[str, Any], c: dict[str, Any], cis: dict[str, list[float]]
         "evidence": "paired window-bootstrap CIs" if cis else "point deltas",
         "state2": state2, "occupancy": status != "failed", "occupancy_status": status, "occupancy_axes": axes,
         "occupancy_narrowed": narrowed, "margin_widened": d["margin"] is not None and d["margin"] > 0,
-        "not_state1_only": state2 or broadened,
+        "not_state1_only": (state2 and not no_c2) or broadened,
+        "c2_absent": c.get("c2_absent") if no_c2 else None,
     }
 
 
@@ -321,7 +325,10 @@ def _checks(pairs: list[dict[str, Any]], trail: list[dict[str, Any]], n_persist:
         notes.append(f"{len(trail)} gate(s) from the first matched gate; persistence needs {n_persist}")
     return [
         {"name": "state2", "title": CHECKS["state2"], "passed": last["state2"], **at,
-         "c2_delta": d["c2"], "c2_delta_ci": ci.get("c2")},
+         "c2_delta": d["c2"], "c2_delta_ci": None if last["c2_absent"] else ci.get("c2"),
+         **({"status": f"n/a ({last['c2_absent']})",
+             "note": f"n/a ({last['c2_absent']}): neither run has C2; the fix is read from occupancy"}
+            if last["c2_absent"] else {})},
         {"name": "occupancy", "title": CHECKS["occupancy"], "passed": last["occupancy"], **at,
          "status": last["occupancy_status"], "axes": last["occupancy_axes"], "narrowed": last["occupancy_narrowed"],
          **{f"{k}_delta": d[k] for k in OCCUPANCY},
@@ -391,7 +398,8 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
         out["reason"] = f"no candidate gate is at matched loss (within {loss_tol}) with a stressed gate"
         return _done(out, loss_tol)
     for s, c, matched in trail:
-        missing = [k for k in REQUIRED if finite_number(s.get(k)) is None or finite_number(c.get(k)) is None]
+        missing = [k for k in REQUIRED if (finite_number(s.get(k)) is None or finite_number(c.get(k)) is None)
+                   and not (k == "c2" and s.get("c2_absent") and c.get("c2_absent"))]
         if missing:
             out["reason"] = (f"matched gates {s['step']} / {c['step']} lack {', '.join(missing)}" if matched else
                              f"candidate gate {c['step']} (read for persistence against stressed gate {s['step']}) "

@@ -60,6 +60,9 @@ ACTIONS = {
 }
 """Operator action per stage (docs/policy.md#actions-per-stage)."""
 
+NO_C2 = "n/a"
+"""The C2 trend of a gate without C2 (top-1 routing): read by the C2-free rules (docs/policy.md#top-1-routing)."""
+
 INTERPRETATIONS = {
     ("ok", "healthy", "improving"): "Objective improvement and structural usage are jointly consistent with safe "
     "continuation on the current horizon.",
@@ -125,7 +128,8 @@ class GateSummary:
     """What the policy reads from one gate (mean_cv in the paper's unit: load CV x 100)."""
 
     step: int
-    c2: float
+    c2: float | None
+    """None only with ``c2_absent`` (top-1 routing: no co-active pairs)."""
     dead_experts: float
     min_entropy: float
     mean_cv: float
@@ -148,6 +152,9 @@ class GateSummary:
     layers: list[dict[str, Any]] = field(default_factory=list)
     damage: dict[str, Any] = field(default_factory=dict)
     """What the three predicates read (refinement margin and base damage since the base; :data:`INPUTS`)."""
+    c2_absent: str | None = None
+    """Why C2 is absent (the record's ``c2_absent``): the gate is read by the C2-free rules
+    (docs/policy.md#top-1-routing)."""
 
     REQUIRED = ("step", "c2", "dead_experts", "min_entropy", "mean_cv")
     CI_FIELDS = tuple(key for key in DELTA_FIELDS if key.endswith("_ci"))
@@ -157,8 +164,11 @@ class GateSummary:
         """Validate and build; errors name the missing or non-numeric field."""
         if not isinstance(data, dict):
             raise PolicyInputError("a gate must be a JSON object")
+        absent = data.get("c2_absent")
+        if absent is not None and not isinstance(absent, str):
+            raise PolicyInputError(f"field 'c2_absent' must be a string, got {absent!r}")
         for key in cls.REQUIRED:
-            if key not in data or data[key] is None:
+            if (key not in data or data[key] is None) and not (key == "c2" and absent):
                 raise PolicyInputError(f"field '{key}' is missing")
         values: dict[str, Any] = {}
         for key in ("c2", "dead_experts", "min_entropy", "mean_cv", "loss", "margin", "c2_protected", "canary_nll",
@@ -197,7 +207,7 @@ class GateSummary:
         if phase is not None and phase not in PHASES:
             raise PolicyInputError(f"field 'phase' must be one of {', '.join(PHASES)}, got {phase!r}")
         return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
-                   vocab_size=vocab, phase=phase, handoff_reference=reference,
+                   vocab_size=vocab, phase=phase, handoff_reference=reference, c2_absent=absent or None,
                    damage={k: data[k] for k in INPUTS if data.get(k) is not None}, **values, **cis)
 
     def to_dict(self) -> dict[str, Any]:
@@ -301,6 +311,9 @@ class GatePolicy:
         )
 
     def _c2_trend(self, g: GateSummary, ref: dict[str, Any]) -> str:
+        """worsening | stable | improving against ``ref``; ``n/a`` when either side has no C2 (top-1 routing)."""
+        if g.c2 is None or ref.get("c2") is None:
+            return NO_C2
         trend = _trend_vs(g.c2, ref["c2"], self.cfg.c2_tol)
         if self.cfg.use_ci and g.c2_delta_ci is not None:
             lo, hi = g.c2_delta_ci
@@ -344,15 +357,16 @@ class GatePolicy:
         occupancy = self._occupancy(g, ref)
         loss_trend = self._loss_trend(g)
         bad = c2_trend == "worsening" or occupancy == "degrading"
+        structural = c2_trend in ("worsening", NO_C2)  # without C2, occupancy alone carries the structural read
         if not bad:
             status = Status.GREEN
-        elif c2_trend == "worsening" and occupancy == "degrading" and loss_trend == "stalling":
+        elif structural and occupancy == "degrading" and loss_trend == "stalling":
             status = Status.RED
         else:
             status = Status.YELLOW
-        rebound = g.c2 > prev["c2"] + self.cfg.c2_tol
+        rebound = g.c2 is not None and prev.get("c2") is not None and g.c2 > prev["c2"] + self.cfg.c2_tol
         repaired = self._repaired(g, prev)
-        joint_recovery = status == Status.GREEN or (rebound and repaired)
+        joint_recovery = status == Status.GREEN or (repaired and (rebound or c2_trend == NO_C2))
         # Table 13: "the same occupancy pathology" is occupancy degrading at this gate and the one before;
         # C2 worsening with healthy occupancy (Table 11, third row) never escalates on its own.
         same_pathology = occupancy == "degrading" and prev.get("occupancy", occupancy) == "degrading"
@@ -382,7 +396,7 @@ class GatePolicy:
         """
         c = self.cfg
         out = []
-        if g.c2 < prev["c2"] - c.c2_tol:
+        if g.c2 is not None and prev.get("c2") is not None and g.c2 < prev["c2"] - c.c2_tol:
             out.append(f"C2 {prev['c2']:+.4f} -> {g.c2:+.4f}")
         if g.dead_experts > prev["dead_experts"] + c.dead_tol:
             out.append(f"dead experts {prev['dead_experts']:g} -> {g.dead_experts:g}")
@@ -425,7 +439,7 @@ class GatePolicy:
         occupancy = self._occupancy(g, ref)
         loss_trend = self._loss_trend(g)
         moved_now = [name for name, delta, ci, tol in (
-            ("C2", g.c2 - ref["c2"], g.c2_delta_ci, c.c2_tol),
+            *((("C2", g.c2 - ref["c2"], g.c2_delta_ci, c.c2_tol),) if c2_trend != NO_C2 else ()),
             ("dead experts", g.dead_experts - ref["dead_experts"], g.dead_experts_delta_ci, c.dead_tol),
             ("min entropy", g.min_entropy - ref["min_entropy"], g.min_entropy_delta_ci, c.entropy_tol),
             ("mean CV", g.mean_cv - ref["mean_cv"], g.mean_cv_delta_ci, c.cv_tol),
@@ -463,6 +477,8 @@ class GatePolicy:
                    "margin": g.handoff_margin, "margin_gates": self.margin_count,
                    "reference": g.handoff_reference, "basis": _readiness_basis(g.handoff_reference, c.n_stable),
                    "reference_step": ref["step"], "reasons": reasons}
+        if c2_trend == NO_C2:
+            handoff["basis"] += "; stability read from occupancy only (top-1 routing: no C2)"
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
             action=ACTIONS[stage], interpretation=_pretraining_interpretation(stage, collapse, c.n_stable),
@@ -496,7 +512,8 @@ class GatePolicy:
                        "basis": _readiness_basis(g.handoff_reference, self.cfg.n_stable), "reference_step": None,
                        "reasons": ["a new reference: no earlier gate to compare with yet"]}
         return GateDecision(
-            step=g.step, status=Status.BASELINE, stage=Stage.baseline, c2_trend="stable", occupancy="healthy",
+            step=g.step, status=Status.BASELINE, stage=Stage.baseline,
+            c2_trend=NO_C2 if g.c2 is None else "stable", occupancy="healthy",
             loss_trend="unknown", action=ACTIONS[Stage.baseline],
             interpretation="New baseline: preservation is untested until the next gate." if self.phase == Phase.post_training
             else "New reference in pretraining: the atlas is forming; the next gate is compared with this one.",
@@ -593,7 +610,19 @@ def _pretraining_unlicensed(reasons: list[str]) -> list[str]:
 
 
 def _interpretation(c2_trend: str, occupancy: str, loss: str, stage: Stage) -> str:
-    """Table 11's row for the pattern, then what its worsening rows mean at this stage (:data:`ESCALATION`)."""
+    """Table 11's row for the pattern, then what its worsening rows mean at this stage (:data:`ESCALATION`).
+
+    Without C2 (top-1 routing) occupancy carries the structural read: its rows are those of a C2 that is not
+    worsening, and occupancy degrading with the loss stalling is the row where both stories are bad.
+
+    >>> _interpretation("n/a", "degrading", "stalling", Stage.alert).split(". ")[0]
+    'Top-1 routing (no C2): occupancy and the objective are both bad'
+    """
+    if c2_trend == NO_C2:
+        if occupancy == "degrading" and loss == "stalling":
+            return ("Top-1 routing (no C2): occupancy and the objective are both bad. " + ESCALATION.get(stage, "")).strip()
+        return "Top-1 routing (no C2): occupancy, State1, drift and State3 carry the read. " + _interpretation(
+            "stable", occupancy, loss, stage)
     c2_key = "worsening" if c2_trend == "worsening" else "ok"
     loss_key = "stalling" if loss == "stalling" else "improving"
     if (c2_key, occupancy, loss_key) in INTERPRETATIONS:
@@ -621,13 +650,18 @@ def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: s
         out.append("Top-k competitions are sharper / noisier near the boundary, as State1 shows (decisiveness only).")
     if c2_trend == "worsening" and occupancy == "degrading" and loss == "improving":
         out.append("Scalar improvement without geometric recovery (loss + State2 + occupancy read jointly).")
-    if stage == Stage.clean:
+    if stage == Stage.clean and c2_trend == NO_C2:
+        out.append("Preservation of the atlas's occupancy since the baseline on this canary (top-1 routing: there "
+                   "is no State2 to read).")
+    elif stage == Stage.clean:
         out.append("Preservation of the atlas since the baseline on this canary (State2 + occupancy jointly healthy).")
     return out
 
 
 def _unlicensed(c2_trend: str, occupancy: str, stage: str) -> list[str]:
     out = ["Global routed health from State1 margins alone (the margin trap)."]
+    if c2_trend == NO_C2:
+        out.append("Co-active chart compatibility (State2): top-1 routing has no co-active pairs, so no C2.")
     if stage != Stage.clean:
         out.append("Atlas preservation or structural health since the baseline.")
     if occupancy == "degrading":
@@ -648,7 +682,8 @@ def _intervention(c2_trend: str, occupancy: str, loss: str, stage: str, rebound:
         return INTERVENTIONS["repair"]
     if occupancy == "degrading":
         return INTERVENTIONS["occupancy"]
-    if g.margin is not None and prev.get("margin") is not None and g.margin < prev["margin"] and c2_trend == "stable":
+    if (g.margin is not None and prev.get("margin") is not None and g.margin < prev["margin"]
+            and c2_trend in ("stable", NO_C2)):
         return INTERVENTIONS["boundary"]
     return None
 

@@ -62,6 +62,7 @@ import numpy as np
 from atlas_tracking.artifacts.history import HistoryError, gates_file, read_history, read_run_gates
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.lifecycle import protected_ordinals
+from atlas_tracking.receipts.windows import TOP1
 from atlas_tracking.schema.config import AtlasConfig, LifecycleConfig
 from atlas_tracking.schema.record import Phase, Status
 
@@ -234,6 +235,16 @@ def _fallback(n_layers: int, why: str) -> dict[str, Any]:
     return {"ordinals": protected_ordinals(n_layers, "mid"), "source": f"mid (no evidence yet: {why})"}
 
 
+def _top1(records: Sequence[dict[str, Any]]) -> bool:
+    """The history's gates state that C2 is absent because of top-1 routing: there are no per-layer C2 deltas,
+    so ``auto`` has nothing to rank and the set stays ``mid`` (docs/policy.md#top-1-routing).
+
+    >>> _top1([{"c2_absent": "top-1 routing"}]), _top1([{"c2": 0.1}])
+    (True, False)
+    """
+    return any(r.get("c2_absent") == TOP1 for r in records)
+
+
 def _choose_once(records: Sequence[dict[str, Any]], n_layers: int, lifecycle: LifecycleConfig, step: int,
                  pretraining: bool, fingerprint: str | None) -> dict[str, Any]:
     """The choice at this gate when the record holds none yet (rule 5), or the ``mid`` fallback and why."""
@@ -244,6 +255,9 @@ def _choose_once(records: Sequence[dict[str, Any]], n_layers: int, lifecycle: Li
     pool = [r for r in same if (r.get("phase") == Phase.pretraining) == handoff]
     ev, steps = evidence(pool)
     need = lifecycle.auto_min_gates
+    if not steps and _top1(pool):
+        return {"ordinals": protected_ordinals(n_layers, "mid"),
+                "source": "mid (top-1 routing: no per-layer C2 deltas to choose from)"}
     if len(steps) < need:
         return _fallback(n_layers, f"{len(steps)} of {need} {'pretraining' if handoff else 'post-baseline'} gates"
                                    + (" at the handoff" if handoff else ""))
@@ -342,7 +356,8 @@ def protect(path: str | Path, config: AtlasConfig | None = None) -> dict[str, An
         raise ProtectionError(str(exc)) from None
     ev, steps = evidence(records)
     if len(steps) < lc.auto_min_gates:
-        raise ProtectionError(f"{file} has {len(steps)} post-baseline gate(s) with per-layer C2 deltas; "
+        why = " (top-1 routing: its gates have no C2)" if _top1(records) else ""
+        raise ProtectionError(f"{file} has {len(steps)} post-baseline gate(s) with per-layer C2 deltas{why}; "
                               f"choosing needs {lc.auto_min_gates} (lifecycle.auto_min_gates)")
     chosen = choose(ev, band=lc.auto_band, persistence_floor=lc.auto_persistence_floor)
     in_force = _in_force(records)

@@ -1,8 +1,8 @@
 """``atlas-tracking replay gates.jsonl``: the gate policy over a recorded sequence, JSON lines out.
 
 Every input line is a gate (the first is the baseline) with at least ``step, c2, dead_experts,
-min_entropy, mean_cv, loss`` (loss may be null); optional ``margin, resume, num_experts,
-layers, c2_delta_ci``. ``atlas/gates.jsonl`` written by a run is valid input. All lines are
+min_entropy, mean_cv, loss`` (loss may be null; c2 may be null with ``c2_absent``, at top-1 routing);
+optional ``margin, resume, num_experts, layers, c2_delta_ci``. ``atlas/gates.jsonl`` written by a run is valid input. All lines are
 read and validated before anything is printed: a bad line is one error naming the line
 number and the field, and nothing is half-written. A run's record is replayed as its one
 history (gates of an abandoned branch are not replayed).

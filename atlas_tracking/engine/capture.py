@@ -28,7 +28,7 @@ from atlas_tracking.receipts.drift import (
     js_divergence,
     one_minus_cos,
 )
-from atlas_tracking.receipts.geometry import angular, rms_normalize, tangent_project
+from atlas_tracking.receipts.geometry import angular, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
@@ -42,8 +42,9 @@ _SUM_COUNT = (*_TOKEN_MEANS, "d_random_boundary")
 """Every pooled mean; ``d_random_boundary`` is taken at the boundary candidates, not every token."""
 _TOKEN_COUNTERS = ("excluded_tokens", "rank_violations", "nonfinite_logits")
 """Counters of token masks; the rest of ``COUNTERS`` count boundary candidates and routes."""
-_LAST_COUNTS = ("d_random_boundary.count", "no_random_competitor", "dropped_routes")
-"""The last rows of a layer's counts: candidates with a random competitor, those without one, dropped routes."""
+_LAST_COUNTS = ("d_random_boundary.count", "no_random_competitor", "dropped_routes", "zero_expert_pairs")
+"""The last rows of a layer's counts: candidates with a random competitor, those without one, dropped routes, and
+the V2 pairs left out for a zero-computation expert on either side."""
 _DRIFTCOUNTERS = ("anchors_changed", "anchors_changed_in_boundary")
 
 
@@ -52,6 +53,14 @@ FIELD_ROWS_BUDGET = 1 << 22
 evaluated in a single call of the experts, however many rows that is."""
 HASH_BITS = 24
 _MISSING = object()
+
+
+def field_carriers(layer: RoutedLayer, device: torch.device) -> torch.Tensor:
+    """``[E]`` True for each expert of ``layer`` that carries a field: all but its zero-computation experts
+    (docs/receipts.md#zero-computation-experts)."""
+    carries = torch.ones(layer.num_experts, dtype=torch.bool, device=device)
+    carries[sorted(layer.zero_experts)] = False
+    return carries
 
 
 def hash_uniform(seed: int, layer: int, window: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -151,6 +160,10 @@ class FieldReceipts:
     jump: torch.Tensor
     d_rand: torch.Tensor
     """``[M]`` redundancy distance of ``e_k`` and the random competitor, at the boundary candidates."""
+    adj_fields: torch.Tensor
+    """``[N]`` both ``e_k`` and ``e_k1`` carry a field (``d_adj`` and ``jump`` count only there)."""
+    rand_fields: torch.Tensor
+    """``[M]`` both ``e_k`` and the random competitor carry a field (``d_rand`` counts only there)."""
     anchors: list[torch.Tensor]
     """Tangent fields ``[A, k, d]`` of each anchor batch."""
     outs: dict[str, torch.Tensor]
@@ -249,9 +262,12 @@ class LayerCapture:
         self.references = {"": base, "base.": post_base}
         """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
         self.evaluator: FieldEvaluator = field_evaluator(layer)
+        self.carries = field_carriers(layer, acc.device)
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.gamma0: torch.Tensor | None = None
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
+        self.beta0: torch.Tensor | None = None
+        """A LayerNorm's bias, read with the gain (None: the norm has none)."""
         for target, tensors in self.references.items():
             if tensors is not None:
                 acc.enable_drift(target)
@@ -267,7 +283,7 @@ class LayerCapture:
         """How this layer's output comes about in this gate (``engine/combine.py``); chosen at its first call."""
         acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
                                                 device=acc.device)
-        self.check = SelfCheck(layer, acc)
+        self.check = SelfCheck(layer, acc, self.evaluator)
         self._handles: list[Any] = []
         self._autocast: tuple[str, bool, torch.dtype] = ("cpu", False, torch.bfloat16)
         self.calls = 0
@@ -301,6 +317,8 @@ class LayerCapture:
             self.layer.router.register_forward_hook(self._on_router),
             self.layer.block.register_forward_hook(self._on_block),
         ]
+        if type(self.layer).seed_router is not RoutedLayer.seed_router:  # a router that draws random numbers
+            self._handles.append(self.layer.router.register_forward_pre_hook(self._before_router))
         self._context = self.layer.gate_context()
         self._context.__enter__()
         if self.fused:
@@ -335,6 +353,12 @@ class LayerCapture:
     def _on_norm(self, module, inputs, output) -> None:
         self._x, self._g = inputs[0], output
 
+    def _before_router(self, module, inputs) -> None:
+        """Seed the router's random draws from the micro-batch (docs/distributed.md#random-routing): its windows
+        and this layer, never the order in which a rank runs its micro-batches."""
+        start, end = torch.tensor(self.batch.start), torch.tensor(self.batch.end)
+        self.layer.seed_router(int(hash_uniform(self.cfg.seed, self.layer.ordinal, start, end)))
+
     def _on_router(self, module, inputs, output) -> None:
         self._router_out = output
 
@@ -348,7 +372,9 @@ class LayerCapture:
                     self.compute(self._x, self._g, self._router_out, out, self._stash)
                 if self.batch.keep:  # the model's own modules, in the model's autocast context
                     self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
-                                       (self.batch.start, self.batch.end), self.batch.size)
+                                       (self.batch.start, self.batch.end), self.batch.size, self.calls == 0)
+                elif self.calls == 0:
+                    self.check.idle(self._g)
         finally:
             self._x = self._g = self._router_out = self._stash = None
         self.calls += 1
@@ -373,7 +399,7 @@ class LayerCapture:
         with torch.no_grad(), self._parameters(), self._own_arithmetic(hidden_states.device):
             sel = self.select(self._router_out, hidden_states)
             x2 = self.window_major(self._x)
-            zh = angular(x2.float())
+            zh = self.layer.direction(x2)
             anchors = self.anchor_batches(x2, hidden_states.dtype)
             handed = Handed(self.measured(top_k_weights), self.measured(top_k_index).long(), hidden_states.dtype)
             fields = self.fields(sel, self.measured(hidden_states), zh, anchors, handed, combines)
@@ -457,16 +483,16 @@ class LayerCapture:
         a0, a1, loc = self.anchor_slices[(self.batch.start, self.batch.end)]
         if a1 <= a0:
             return []
-        gamma, out = self.layer.gamma(), []
+        out = []
         if self.collect:
-            z = rms_normalize(x2.index_select(0, loc), self.layer.norm_eps)
-            g = (gamma * z).to(dtype)
+            z = self.layer.normalize(x2.index_select(0, loc))
+            g = self.layer.gain(z).to(dtype)
             with self._model_arithmetic():
                 routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
         for target, ref in drifts:
             z0 = ref["z0"][a0:a1]
-            g = (gamma * z0).to(dtype)
+            g = self.layer.gain(z0).to(dtype)  # transport: Gamma_j z0 (+ beta_j)
             with self._model_arithmetic():
                 routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z0, g, routing, ref["R0"][a0:a1], collect=False, target=target))
@@ -528,6 +554,9 @@ class LayerCapture:
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
         rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
+        carries = self.carries.to(dev)
+        active_fields = carries[routing.active]  # zero-computation experts carry no field: no pairs, no distances
+        rho_fields = routing.rho * active_fields
         extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
         width = k + 1 if handed is None else 1  # rows per token in a chunked call
         per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
@@ -553,20 +582,23 @@ class LayerCapture:
                 slots = in_slots[t0:t1].unsqueeze(-1).expand(-1, -1, d)
                 u = torch.cat([active_u[t0:t1].gather(1, slots).float(), u], dim=1)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
-                                                   cfg.eps_kappa)
+                                                   cfg.eps_kappa, active_fields[t0:t1])
             u_k = u.gather(1, pos_k[t0:t1].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
             v_k[t0:t1] = tangent_project(u_k, z)
             v_k1 = tangent_project(u[:, k], z)
-            field = tangent_project(torch.bmm(rho.unsqueeze(1), u[:, :k]).squeeze(1), z)
+            field = tangent_project(torch.bmm(rho_fields[t0:t1].unsqueeze(1), u[:, :k]).squeeze(1), z)
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
             if t1 == n:
                 u_rand = u_groups[1]
         u_anchors = self._anchor_calls(anchors, g2)
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
+        e_k = sel.sm.e_k
         return FieldReceipts(
             c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
             d_rand=redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d),
+            adj_fields=carries[e_k] & carries[sel.sm.e_k1],
+            rand_fields=carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand],
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
             outs=outs,
         )
@@ -581,10 +613,12 @@ class LayerCapture:
         d = x.shape[-1]
         if self.gamma0 is None:
             self.gamma0 = layer.gamma().detach().float().cpu()
+            beta = layer.beta()
+            self.beta0 = None if beta is None else beta.detach().cpu()
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
-            zh = angular(x2.float())  # the direction of z = rms_normalize(x): the RMS scale cancels
+            zh = self.layer.direction(x2)  # the direction of z: the norm's positive scale cancels
             anchors = self.anchor_batches(x2, g2.dtype)
             stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
         if not self.batch.keep:
@@ -601,8 +635,9 @@ class LayerCapture:
 
         # every per-window sum and count of the micro-batch in two masked reductions
         rows, arr = slice(w0, w1), acc.arrays
+        in_b_adj = in_b & fr.adj_fields
         masks = torch.stack([
-            valid, fr.c2_ok, torch.ones_like(valid), in_b, valid & ~in_b,  # _TOKEN_MEANS
+            valid, fr.c2_ok, torch.ones_like(valid), in_b_adj, valid & ~in_b & fr.adj_fields,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
             ~valid, self.rank_violations(sm, routing.scores, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
         ])
@@ -610,13 +645,15 @@ class LayerCapture:
         values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()
         acc.sums[:n_means, rows] += torch.where(masks[:n_means], values, 0.0).view(n_means, bw, seq).sum(-1)
         acc.counts[: len(masks), rows] += masks.view(len(masks), bw, seq).sum(-1)
-        rand_ok = sel.rand_ok.view(bw, -1)  # candidates are window-major
+        rand_ok = (sel.rand_ok & fr.rand_fields).view(bw, -1)  # candidates are window-major
         acc.sums[n_means, rows] += torch.where(rand_ok, fr.d_rand.view(bw, -1), 0.0).sum(1)
-        acc.counts[-3, rows] += rand_ok.sum(1)
-        acc.counts[-2, rows] += sel.no_rand.view(bw, -1).sum(1)
+        acc.counts[-4, rows] += rand_ok.sum(1)
+        acc.counts[-3, rows] += sel.no_rand.view(bw, -1).sum(1)
         if routing.dropped is not None:
-            acc.counts[-1, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
-        arr["jump"][rows] = torch.where(in_b, fr.jump, float("nan")).view(bw, seq)
+            acc.counts[-2, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
+        acc.counts[-1, rows] += ((valid & ~fr.adj_fields).view(bw, seq).sum(1)
+                                 + (sel.rand_ok & ~fr.rand_fields).view(bw, -1).sum(1))
+        arr["jump"][rows] = torch.where(in_b_adj, fr.jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
@@ -639,15 +676,19 @@ class LayerCapture:
         u0 = base["u0"]
         u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
         changed = active_set_change(base["R0"], a.routing.active)
+        fields = self.carries.to(u1.device)[base["R0"].long()] if self.layer.zero_experts else None
+        content = content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile, fields)
+        has_field = torch.ones_like(changed, dtype=torch.bool) if fields is None else fields.any(dim=1)
         values = torch.stack([
             one_minus_cos(base["g0"], g2[a.loc]),  # DRIFT_RECEIPTS order
             changed,
             js_divergence(base["p0"], a.routing.probs),
-            content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile),
+            torch.where(has_field, content, 0.0),
         ]).float()
         win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.batch.start
         moved = (changed > 0).long()
-        counts = torch.stack([*(torch.ones_like(moved),) * len(DRIFT_RECEIPTS), moved, moved * base["b0"].long()])
+        counts = torch.stack([*(torch.ones_like(moved),) * (len(DRIFT_RECEIPTS) - 1), has_field.long(), moved,
+                              moved * base["b0"].long()])
         sums, totals = self.acc.drift[a.target]
         sums.index_add_(1, win, values)
         totals.index_add_(1, win, counts)

@@ -251,6 +251,7 @@ def measure_partial(
         "topk": topk_parts if kl_k else None,
         "anchors": collected_anchors(captures) if collect else None,
         "gamma": [cap.gamma0 for cap in captures],
+        "beta": [cap.beta0 for cap in captures],
     }
 
 
@@ -341,6 +342,8 @@ def build_report(
         for i in range(len(layers)):
             tensors = concat_anchors([part for p in partials for part in p["anchors"][i]])
             tensors["gamma0"] = partials[0]["gamma"][i]
+            if partials[0]["beta"][i] is not None:
+                tensors["beta0"] = partials[0]["beta"][i]
             layer_anchors.append(tensors)
         report.anchors = {
             "layers": layer_anchors,

@@ -6,7 +6,8 @@ block read as pre-norm) would pass it silently. On the canary the capture alread
 input and output, the block's input and output and the router's output; each micro-batch compares
 them with what the adapter reconstructs (relative errors ``||ours - model's|| / ||model's||``):
 
-- ``gain``: ``Gamma z`` (the adapter's gain times ``x / rms(x)``) against the norm's own output;
+- ``gain``: ``Gamma z`` (the adapter's gain times ``x / rms(x)``; ``Gamma z + beta`` with
+  ``z = (x - mean(x)) / std(x)`` for a LayerNorm) against the norm's own output;
 - ``block_input``: the norm's output against the MoE block's input (a block whose input is not the
   norm's output does not read that norm: a post-norm block read as pre-norm);
 - ``recombination``: ``sum_e w_e u_e(g) + shared(g)`` at a few tokens against the block's output. In
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.engine.combine import PATHS
-from atlas_tracking.receipts.geometry import rms_normalize
+from atlas_tracking.engine.fields import FieldEvaluator, LocalFields
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -49,8 +50,9 @@ SAMPLE_TOKENS = 16
 """Tokens at which the recombination is evaluated, once per gate (expert calls cost; the rest is cheap)."""
 
 _WHY = {
-    "gain": "Gamma z (the adapter's norm gain times x / rms(x)) is not the norm's output: wrong gain convention "
-            "(a zero-centred (1 + w) gain read as w?), wrong epsilon, or a norm that is not an RMSNorm",
+    "gain": "Gamma z (+ beta) (the adapter's norm gain times its normalised state) is not the norm's output: wrong "
+            "gain convention (a zero-centred (1 + w) gain read as w?), wrong epsilon, or a LayerNorm read as an "
+            "RMSNorm (or the reverse)",
     "block_input": "the MoE block's input is not the norm's output: the block does not read this norm "
                    "(a post-norm block read as pre-norm?)",
     "recombination": "sum_e w_e u_e(g) + shared(g) is not the block's output: a shared expert or its gate left "
@@ -92,9 +94,11 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class SelfCheck:
     """The self-check of one routed layer during one gate; results go to its accumulator, per window."""
 
-    def __init__(self, layer: Any, acc: Any):
+    def __init__(self, layer: Any, acc: Any, fields: FieldEvaluator | None = None):
         self.layer = layer
         self.acc = acc
+        self.fields = fields if fields is not None else LocalFields(layer)
+        """The gate's field evaluator: under expert parallelism, experts held elsewhere answer over the exchange."""
         acc.arrays["selfcheck"] = torch.full((acc.n_windows, len(CHECKS)), float("nan"), device=acc.device)
         acc.arrays["selfcheck_tol"] = torch.full((acc.n_windows,), float("nan"), device=acc.device)
         self._call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -105,15 +109,22 @@ class SelfCheck:
 
     def _sample(self, n_windows: int, active: torch.Tensor) -> torch.Tensor:
         """Native rows of the first ``SAMPLE_TOKENS`` positions of the micro-batch's first window (the same
-        tokens whatever the batching), less those whose experts are held elsewhere."""
+        tokens whatever the batching), wherever their experts are held."""
         pos = torch.arange(min(SAMPLE_TOKENS, len(active) // n_windows), device=active.device)
-        rows = pos * n_windows if self.layer.sequence_first else pos
-        placement = self.layer.expert_placement()
-        if placement is not None:  # fields of experts held elsewhere are not evaluated here
-            group, owner = placement
-            local = owner.to(active.device) == torch.distributed.get_rank(group=group)
-            rows = rows[local[active.index_select(0, rows)].all(dim=1)]
-        return rows
+        return pos * n_windows if self.layer.sequence_first else pos
+
+    def idle(self, like: torch.Tensor) -> None:
+        """At a layer's first call of a gate, where this process has no tokens to check: an empty request, so the
+        expert-parallel exchange of the process that checks stays matched (nothing happens when every expert is
+        local). ``like`` gives the width and dtype of the rows."""
+        if not isinstance(self.fields, LocalFields):
+            self.fields(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
+
+    def _outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Raw outputs ``[N, m, d]`` of ``experts [N, m]`` at ``rows [N, d]``, through the gate's field evaluator."""
+        n, m = experts.shape
+        pairs = rows.reshape(n, 1, -1).expand(n, m, rows.shape[-1]).reshape(n * m, -1)
+        return self.fields(pairs, experts.reshape(-1)).view(n, m, -1)
 
     def _per_window(self, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
         """Relative errors ``[windows]`` of two ``[B, L, d]`` (sequence-first: ``[L, B, d]``) tensors."""
@@ -125,13 +136,15 @@ class SelfCheck:
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, router_out: Any,
-                out: torch.Tensor, windows: tuple[int, int], size: int) -> None:
+                out: torch.Tensor, windows: tuple[int, int], size: int, first: bool = True) -> None:
         """Compare one micro-batch's norm, block input, output and routing with the adapter's reading.
 
         The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
         Those that evaluate experts run once per gate, at the first tokens of the canary's first window, in
         one call of the experts (plus, in fused mode, one call of the experts' own forward): a structural
-        mismatch shows at any token, and the gate stays one forward pass.
+        mismatch shows at any token, and the gate stays one forward pass. Under expert parallelism the fields of
+        experts held elsewhere come over the exchange: every process of the group makes one such call at the
+        layer's ``first`` call of the gate (empty where it holds no sampled tokens, :meth:`idle`).
         """
         layer, call = self.layer, self._call
         self._call = None
@@ -139,7 +152,7 @@ class SelfCheck:
         n_windows, d = size, g.shape[-1]
         errs = torch.full((n_windows, len(CHECKS)), float("nan"), device=self.acc.device)
         col = {name: j for j, name in enumerate(CHECKS)}
-        errs[:, col["gain"]] = self._per_window(layer.gamma() * rms_normalize(x, layer.norm_eps), g)
+        errs[:, col["gain"]] = self._per_window(layer.gain(layer.normalize(x)), g)
         same_size = isinstance(block_input, torch.Tensor) and block_input.numel() == g.numel()
         errs[:, col["block_input"]] = self._per_window(block_input.reshape(g.shape), g) if same_size else float("inf")
         g2, out2 = g.reshape(-1, d), out.reshape(-1, d)
@@ -155,6 +168,8 @@ class SelfCheck:
             dtypes.append(self._expert_checks(errors, rows, g2, out2, routing, call))
             for name in ("recombination", "experts_call"):
                 errs[0, col[name]] = errors[name]
+        elif first:
+            self.idle(g2)
         self.acc.arrays["selfcheck"][w0:w1] = errs[: w1 - w0]  # padding windows come last
         self.acc.arrays["selfcheck_tol"][w0:w1] = rel_tolerance(*dtypes)
 
@@ -167,7 +182,7 @@ class SelfCheck:
         if call is not None:
             hidden, index, weights = (t.reshape(len(g2), -1).index_select(0, rows) for t in call)
             groups.append((hidden, index.long()))
-        u = layer.expert_outputs(torch.cat([r for r, _ in groups]), torch.cat([e for _, e in groups]))
+        u = self._outputs(torch.cat([r for r, _ in groups]), torch.cat([e for _, e in groups]))
         recon = (routing.weights.index_select(0, rows).float().unsqueeze(-1) * u[: len(rows)].float()).sum(1)
         shared = layer.shared_output(g_s)
         if shared is not None:

@@ -46,9 +46,22 @@ def content_ratio(u1: torch.Tensor, u0: torch.Tensor, eps: float) -> torch.Tenso
     return (u1 - u0).norm(dim=-1) / (u1.norm(dim=-1) + u0.norm(dim=-1) + eps)
 
 
-def content_drift_per_token(u1: torch.Tensor, u0: torch.Tensor, eps: float, quantile: float) -> torch.Tensor:
-    """Quantile over the base active set of :func:`content_ratio` (linear interpolation), per token."""
-    return torch.quantile(content_ratio(u1, u0, eps), quantile, dim=1)
+def content_drift_per_token(u1: torch.Tensor, u0: torch.Tensor, eps: float, quantile: float,
+                            carries: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantile over the base active set of :func:`content_ratio` (linear interpolation), per token.
+
+    With ``carries`` (``[N, k]`` bool), over the experts of the set that carry a field only, NaN for a token with
+    none (zero-computation experts have no parameters; docs/receipts.md#zero-computation-experts).
+
+    >>> u0 = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    >>> u1 = torch.tensor([[[1.0, 0.0], [0.0, -1.0]]])
+    >>> content_drift_per_token(u1, u0, 0.0, 0.9, torch.tensor([[True, False]])).tolist()
+    [0.0]
+    """
+    ratio = content_ratio(u1, u0, eps)
+    if carries is None:
+        return torch.quantile(ratio, quantile, dim=1)
+    return torch.nanquantile(ratio.masked_fill(~carries, float("nan")), quantile, dim=1)
 
 
 def active_set_change(r0: torch.Tensor, r1: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Angular geometry of RMS-normalised states (docs/receipts.md#notation; the report's eq. 1-3, 10).
+"""Angular geometry of normalised states (docs/receipts.md#notation, docs/receipts.md#layernorm-state; the
+report's eq. 1-3, 10): the pre-gain state of an RMSNorm or of a mean-centred LayerNorm.
 
 Example:
     >>> import torch
@@ -22,6 +23,19 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Canonical pre-gain state ``z = x / sqrt(mean(x^2) + eps)``, computed in fp32."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Canonical pre-gain state of a LayerNorm, ``z = (x - mean(x)) / sqrt(var(x) + eps)`` with the population
+    variance, computed in fp32 (docs/receipts.md#layernorm-state). ``z`` is orthogonal to the all-ones vector.
+
+    >>> z = layer_normalize(torch.tensor([[1.0, 2.0, 6.0]]), eps=0.0)
+    >>> round(float(z.sum()), 6), round(float(z.pow(2).mean()), 6)
+    (0.0, 1.0)
+    """
+    x = x.float()
+    centred = x - x.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def angular(z: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,18 @@ def occupancy_ratio(pi: Any, pi_ref: Any, n_tokens: int) -> Any:
 
 
 def handoff_terms(now: Sequence[dict], ref: Sequence[dict], lam1: float, lam2: float, n_tokens: int) -> list[float]:
-    """Per-layer ``lam1 (c2 - c2_ref) + lam2 (rho - 1)`` with ``rho`` the :func:`occupancy_ratio` (eq. 31)."""
+    """Per-layer ``lam1 (c2 - c2_ref) + lam2 (rho - 1)`` with ``rho`` the :func:`occupancy_ratio` (eq. 31).
+
+    A layer without C2 on either side (top-1 routing has no co-active pairs) has no C2 term: its term is the
+    occupancy term alone, never a C2 change of 0 (docs/receipts.md#lifecycle-margins).
+
+    >>> top1 = [{"c2": None, "pi_min": 0.01}]
+    >>> round(handoff_terms(top1, [{"c2": None, "pi_min": 0.02}], lam1=1.0, lam2=0.1, n_tokens=1000)[0], 6)
+    -0.047619
+    """
     return [
-        lam1 * (a["c2"] - b["c2"]) + lam2 * (occupancy_ratio(a["pi_min"], b["pi_min"], n_tokens) - 1.0)
+        (0.0 if a["c2"] is None or b["c2"] is None else lam1 * (a["c2"] - b["c2"]))
+        + lam2 * (occupancy_ratio(a["pi_min"], b["pi_min"], n_tokens) - 1.0)
         for a, b in zip(now, ref)
     ]
 

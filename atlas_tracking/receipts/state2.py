@@ -53,40 +53,51 @@ def tangent_gram(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
     return torch.bmm(v, v.transpose(1, 2))
 
 
-def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float) -> torch.Tensor:
+def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float,
+                 carries: torch.Tensor | None = None) -> torch.Tensor:
     """Adjacency weights ``w(e,e') ∝ rho_e rho_e' exp(-beta_adj |s_e - s_e'|)`` over ordered pairs e != e'.
 
-    Normalised to sum to 1 over the ordered pairs of each token's active set (the report's eq. 21).
+    Normalised to sum to 1 over the ordered pairs of each token's active set (the report's eq. 21). ``carries``
+    (``[N, k]`` bool) marks the active experts that carry a field: a pair with a zero-computation expert has
+    weight 0 and the weights are renormalised over the field-carrying pairs; a token with fewer than two such
+    experts has no pair (all weights 0; docs/receipts.md#zero-computation-experts).
+
+    >>> rho, s = torch.tensor([[0.5, 0.3, 0.2]]), torch.zeros(1, 3)
+    >>> pair_weights(rho, s, 1.0, torch.tensor([[True, False, True]]))[0].tolist()
+    [[0.0, 0.0, 0.5], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
     """
     k = rho.shape[1]
     w = rho.unsqueeze(2) * rho.unsqueeze(1) * torch.exp(-beta_adj * (s_active.unsqueeze(2) - s_active.unsqueeze(1)).abs())
     off_diag = ~torch.eye(k, dtype=torch.bool, device=rho.device)
-    w = w * off_diag
+    w = w * (off_diag if carries is None else off_diag & carries.unsqueeze(2) & carries.unsqueeze(1))
     total = w.sum(dim=(1, 2), keepdim=True)
     return w / total.clamp_min(torch.finfo(w.dtype).tiny)
 
 
 def c2_per_token(
-    v: torch.Tensor, rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float, eps_kappa: float
+    v: torch.Tensor, rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float, eps_kappa: float,
+    carries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token overlap compatibility ``sum_{e != e'} w(e,e') kappa(e,e')`` and its validity.
 
     ``v`` is ``[N, k, d]`` (fields of the active set), ``rho`` the renormalised routing
-    weights ``[N, k]``, ``s_active`` the selection scores of the active set. A token is
-    invalid when it has no pair (k = 1) or all pair weights vanish.
+    weights ``[N, k]``, ``s_active`` the selection scores of the active set, ``carries`` which active
+    experts carry a field (None: all; see :func:`pair_weights`). A token is invalid when it has no pair
+    (k = 1, or fewer than two field-carrying experts) or all pair weights vanish.
     """
-    return c2_from_gram(v @ v.transpose(1, 2), rho, s_active, beta_adj, eps_kappa)
+    return c2_from_gram(v @ v.transpose(1, 2), rho, s_active, beta_adj, eps_kappa, carries)
 
 
 def c2_from_gram(
-    gram: torch.Tensor, rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float, eps_kappa: float
+    gram: torch.Tensor, rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float, eps_kappa: float,
+    carries: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`c2_per_token` from the ``[N, k, k]`` Gram matrix of the active fields."""
     k = gram.shape[1]
     if k < 2:
         zeros = torch.zeros(gram.shape[0], device=gram.device, dtype=gram.dtype)
         return zeros, torch.zeros(gram.shape[0], device=gram.device, dtype=torch.bool)
-    w = pair_weights(rho, s_active, beta_adj)
+    w = pair_weights(rho, s_active, beta_adj, carries)
     c2 = (w * kappa_from_gram(gram, eps_kappa)).sum(dim=(1, 2))
     valid = w.sum(dim=(1, 2)) > 0.5
     return c2, valid

@@ -44,11 +44,13 @@ window and per layer; ``verify`` fails an artifact whose value leaves it."""
 
 COUNTERS: tuple[str, ...] = (
     "excluded_tokens", "rank_violations", "nonfinite_logits", "no_random_competitor", "dropped_routes",
+    "zero_expert_pairs",
 )
 """Per-window counts reported as layer totals: tokens with no eligible competitor (out of State1 and V2), model
 choices that are not a top-k of the selection scores, tokens with non-finite router logits, boundary tokens
-with no eligible expert left for the random competitor (out of ``d_random_boundary`` and so of V2 C2), and
-capacity-dropped routes."""
+with no eligible expert left for the random competitor (out of ``d_random_boundary`` and so of V2 C2),
+capacity-dropped routes, and V2 pairs with a zero-computation expert on either side (out of V2 and
+``transition_incompat``)."""
 
 V2_AXES: dict[str, tuple[str, str]] = {
     "v2_c1": ("d_adjacent_boundary", "d_adjacent_interior"),
@@ -59,8 +61,10 @@ V2_AXES: dict[str, tuple[str, str]] = {
 __all__ = [
     "COUNTERS",
     "RATIO_RECEIPTS",
+    "TOP1",
     "V2_AXES",
     "bootstrap_indices",
+    "c2_absent",
     "layer_receipts",
     "median_receipt",
     "ratio_receipts",
@@ -184,10 +188,31 @@ def _finite(vals: list) -> list[float]:
     return [v for v in vals if v is not None and math.isfinite(v)]
 
 
+TOP1 = "top-1 routing"
+"""Why C2 is absent when every routed layer selects one expert per token (docs/receipts.md#top-1-routing-and-zero-computation-experts)."""
+
+
+def c2_absent(layers: list[dict[str, Any]]) -> str | None:
+    """Why the cross-layer C2 is absent (None while some layer has one): :data:`TOP1` when every routed layer
+    routes top-1, else no token of the canary had two field-carrying active experts.
+
+    >>> c2_absent([{"top_k": 1, "receipts": {"c2": None}}])
+    'top-1 routing'
+    >>> c2_absent([{"top_k": 2, "receipts": {"c2": 0.1}}]) is None
+    True
+    """
+    if any(_finite([layer["receipts"].get("c2")]) for layer in layers):
+        return None
+    if layers and all(layer.get("top_k") == 1 for layer in layers):
+        return TOP1
+    return "no canary token had two field-carrying active experts"
+
+
 def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str, Any]:
     """Cross-layer summaries (docs/receipts.md#occupancy): means, min entropy, max dead and CV.
 
-    ``mean_cv`` and ``max_cv`` are in the paper's unit (load CV x 100).
+    ``mean_cv`` and ``max_cv`` are in the paper's unit (load CV x 100); ``c2_absent`` says why C2 is absent
+    (:func:`c2_absent`), and is there only then.
     """
     def col(key: str) -> list[float]:
         return _finite([layer["receipts"].get(key) for layer in layers])
@@ -198,9 +223,11 @@ def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str,
 
     protected = [layer for layer in layers if layer.get("protected")]
     c2_prot = _finite([layer["receipts"].get("c2") for layer in protected])
+    absent = c2_absent(layers)
     return {
         "n_layers": len(layers),
         "c2": mean("c2"),
+        **({"c2_absent": absent} if absent else {}),
         "c2_min": min(col("c2")) if col("c2") else None,
         "c2_protected": float(np.mean(c2_prot)) if c2_prot else None,
         "dead_experts": mean("dead_experts"),

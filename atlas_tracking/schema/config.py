@@ -271,8 +271,23 @@ class GateConfig:
     """At the end of training, how long to wait at most for the trackers to receive the gates still queued
     (tracker calls run off the training thread; a call already running this long is not waited for). Gates
     not delivered by then stay in the local record and are reported per tracker (docs/trackers.md)."""
+    keep_baselines: int = 2
+    """Retention: how many of the history's latest baselines stay on disk (2: the current reference and the one
+    before it). The post-training base, a handoff reference in the run directory and pinned steps always stay
+    (docs/record.md#retention)."""
+    pin_baselines: list[int] = field(default_factory=list)
+    """Steps whose baselines retention never removes (``atlas-tracking pin RUN_DIR STEP`` adds more)."""
+    keep_receipts: int | None = None
+    """Retention of receipts artifacts: keep those of the history's last N gates (None: every one).
+    ``gates.jsonl`` is never pruned, and each record keeps its artifact's sha256."""
 
     def _validate(self, prefix: str) -> None:
+        if self.keep_baselines < 1:
+            raise ConfigError(f"'{prefix}keep_baselines' must be >= 1, got {self.keep_baselines!r}")
+        if self.keep_receipts is not None and self.keep_receipts < 1:
+            raise ConfigError(f"'{prefix}keep_receipts' must be >= 1 or null, got {self.keep_receipts!r}")
+        if any(s < 0 for s in self.pin_baselines):
+            raise ConfigError(f"'{prefix}pin_baselines' must hold steps >= 0, got {self.pin_baselines!r}")
         if self.every_n_validations < 1:
             raise ConfigError(f"'{prefix}every_n_validations' must be >= 1, got {self.every_n_validations!r}")
         if self.keep_green_checkpoints < 1:

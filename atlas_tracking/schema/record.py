@@ -161,6 +161,8 @@ class LayerReceipts(TypedDict, total=False):
     """Routes a capacity limit dropped (DeepSpeed MoE)."""
     no_random_competitor: int
     """Boundary tokens with no eligible random competitor (out of V2 C2)."""
+    zero_expert_pairs: int
+    """V2 pairs (e_k, e_k1) and (e_k, e_rand) with a zero-computation expert on either side (out of V2)."""
 
 
 BOUNDARY_MASS_KEY = "boundary_mass@0.01"
@@ -207,6 +209,9 @@ class Summary(TypedDict, total=False):
     """The smallest per-layer C2."""
     c2_protected: Annotated[float | None, Metric()]
     """Mean C2 over the protected layers."""
+    c2_absent: str
+    """Why C2 is absent (``c2``, ``c2_min``, ``c2_protected``, ``c2_delta`` and their CIs are None): "top-1
+    routing" when every routed layer selects one expert; there only then."""
     dead_experts: Annotated[float, Metric()]
     """Mean dead experts per routed layer."""
     dead_experts_max: Annotated[float, Metric()]
@@ -277,7 +282,8 @@ class Margins(TypedDict, total=False):
     """The lifecycle margins (positive is inside the boundary)."""
 
     handoff_margin: Annotated[float | None, Metric()]
-    """Min over the protected layers of lam1 (c2 - c2_ref) + lam2 (rho - 1)."""
+    """Min over the protected layers of lam1 (c2 - c2_ref) + lam2 (rho - 1); the occupancy term alone when C2
+    is absent (``c2_absent``: top-1 routing)."""
     refine_margin: Annotated[float | None, Metric()]
     """tau - max over the protected layers of mu1 boundary + mu2 content + mu3 (1 - rho)."""
     handoff_layer: str | None
@@ -327,7 +333,7 @@ class GateDecision:
     stage: Stage
     """The stage of the staged escalation (or the pretraining stage)."""
     c2_trend: str
-    """worsening | stable | improving."""
+    """worsening | stable | improving, or n/a when C2 is absent (``c2_absent``: top-1 routing)."""
     occupancy: str
     """healthy | degrading."""
     loss_trend: str
@@ -426,6 +432,18 @@ class Gate(TypedDict, total=False):
     rebuilt: str
     """Set on a gate whose line a crash cut short, rebuilt at the next resume from its whole receipts file: what
     the line still held and where the rest came from (its decision is re-derived by ``atlas-tracking replay``)."""
+    retention: dict[str, Any]
+    """The retention in force at this gate: ``keep_baselines``, ``keep_receipts`` and the pinned steps
+    (docs/record.md#retention)."""
+    pruned_baselines: list[str]
+    """Baseline folders (relative to the run directory) retention removed after this gate was written."""
+    pruned_receipts: list[str]
+    """Receipts artifacts (relative to the run directory) retention removed after this gate (``gate.keep_receipts``)."""
+    pruned_bytes: int
+    """The bytes those removals free."""
+    reference_pruned: str
+    """A resume whose restored reference retention had removed: the folder and the gate that pruned it. The gate
+    is a new baseline with no drift against that reference."""
     layers: list[LayerRecord]
     """One entry per routed layer, in forward order."""
 

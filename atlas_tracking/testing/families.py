@@ -64,7 +64,7 @@ CONFIGS: dict[str, dict] = {
     "beam": dict(SPARSE2),
     "deepseek_v2": dict(MLA, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
     "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1),
-    "longcat_flash": dict(MLA, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=24, ffn_hidden_size=48),
+    "longcat_flash": dict(MLA, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=24, ffn_hidden_size=48, num_layers=2),
     "minimax_m2": {},
     "hy_v3": {},
     "afmoe": {},
@@ -85,17 +85,25 @@ CONFIGS: dict[str, dict] = {
                                                         "partial_rotary_factor": 1.0}),
                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32)),
     "mistral4": dict(MLA, routed_scaling_factor=1.5),
+    # mean-centred LayerNorm pre-norms: DBRX's without a bias, Cohere2-MoE's (with averaged shared experts), PhiMoE's
+    # with one. DBRX's attention reads attn_config.rope_theta, which its config class does not declare, and clamps
+    # with clip_qkv, which must then be set.
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2)),
+    "cohere2_moe": dict(num_shared_experts=1, sliding_window_pattern=2, bos_token_id=1, eos_token_id=2),
+    "phimoe": {},
 }
 FAMILIES = tuple(CONFIGS)
 ORIGINAL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
-def family_config(name: str):
-    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has) and ``CONFIGS[name]``; a
-    composite config gets them in its ``text_config``."""
+def family_config(name: str, **overrides: object):
+    """The tiny config of family ``name``: ``COMMON`` (the keys its config class has), ``CONFIGS[name]`` and
+    ``overrides``; a composite config gets them in its ``text_config``."""
     from transformers import AutoConfig
 
-    extra = dict(CONFIGS[name])
+    extra = {**CONFIGS[name], **overrides}
     default = AutoConfig.for_model(name)
     if "text_config" in extra:
         text = type(default.text_config)
@@ -109,15 +117,16 @@ def _common(cls) -> dict:
     return {k: v for k, v in COMMON.items() if k in fields}
 
 
-def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A tiny random model of family ``name``, in eval mode, with routers and norm gains given spread (a fresh
-    model's zero routers and unit gains would make routing and the gain convention degenerate)."""
+def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object):
+    """A tiny random model of family ``name`` (config keys ``overrides`` replaced), in eval mode, with routers and
+    norm gains given spread (a fresh model's zero routers and unit gains would make routing and the gain
+    convention degenerate)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from atlas_tracking.adapters import find_routed_layers
 
     torch.manual_seed(seed)
-    config = family_config(name)
+    config = family_config(name, **overrides)
     try:
         model = AutoModelForCausalLM.from_config(config).eval()
     except ValueError:  # a composite model: measured through its text model
@@ -127,7 +136,7 @@ def family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
 
 
 def spread(layers) -> None:
-    """Give routers, their biases and the norm gains spread (fresh ones are zero, ones or tiny)."""
+    """Give routers, their biases, the norm gains and LayerNorm biases spread (fresh ones are zero, ones or tiny)."""
     with torch.no_grad():
         for lay in layers:
             tensors = [*lay.router.named_parameters(), *lay.router.named_buffers(),
@@ -137,6 +146,8 @@ def spread(layers) -> None:
                 if t.is_floating_point():
                     t.normal_(0, 0.1 if "bias" in tname else 0.5)
             lay.norm.weight.add_(torch.randn_like(lay.norm.weight) * 0.1)
+            if lay.beta() is not None:
+                lay.norm.bias.normal_(0, 0.1)
 
 
 def to_dtype(model, dtype: torch.dtype):
@@ -239,10 +250,30 @@ def check_measure(model, forward=None):
     report = measure(model, canary, config=CFG, **kw)
     assert verify(report.to_dict()) == []
     assert all(lay["selfcheck"]["recombination"] is not None for lay in report.layers)
+    check_ranges(report.to_dict())
     again = measure(model, canary, baseline=Baseline.from_report(report), config=CFG, **kw)
     assert verify(again.to_dict()) == []
     for lay in again.drift["layers"]:
         assert [lay[k] for k in DRIFT] == [0.0] * 4, lay["name"]
+
+
+def check_ranges(report: dict) -> None:
+    """Every receipt stated with a range stays inside it, in every layer, window and CI (docs/receipts.md): the
+    cosines, overlaps and redundancy distances of ``RANGES``, every boundary mass in ``[0, 1]``, every set-margin
+    statistic ``>= 0``."""
+    from atlas_tracking.receipts.windows import RANGES
+
+    for layer, pw in zip(report["layers"], report["per_window"]["layers"]):
+        r, name = layer["receipts"], layer["name"]
+        bounded = {**RANGES, **{key: (0.0, 1.0) for key in r if key.startswith("boundary_mass@")}}
+        for key, (lo, hi) in bounded.items():
+            values = [r.get(key), *(layer["ci"].get(key) or [])]
+            assert all(lo <= v <= hi for v in values if v is not None), (name, key, values)
+        for key, (lo, hi) in RANGES.items():
+            s, c = np.asarray(pw[key]["sum"], float), np.asarray(pw[key]["count"], float)
+            means = s[c > 0] / c[c > 0]
+            assert bool(((means >= lo) & (means <= hi)).all()), (name, key, means)
+        assert all(r[key] is None or r[key] >= 0 for key in ("margin_mean", "margin_p10", "margin_p50")), name
 
 
 OWN_CANARY = dict(window=16, n_windows=10)

@@ -66,15 +66,17 @@ def fill_(model: nn.Module, global_name, perturb: float = 0.0) -> None:
 # --- DeepSpeed MoE --------------------------------------------------------------------------------
 
 def ds_moe(ep_size: int = 1, ep_rank: int = 0, perturb: float = 0.0, experts: int = 8, d: int = 16,
-           drop_tokens: tuple[bool, bool] = (True, True)) -> nn.Module:
-    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-2, width ``d``.
+           drop_tokens: tuple[bool, bool] = (True, True), k: int = 2) -> nn.Module:
+    """examples/deepspeed_loop.py's model: 2 DeepSpeed-MoE layers, ``experts`` experts, top-``k``, width ``d``.
 
     ``drop_tokens`` per layer: True drops routes beyond a capacity computed from the micro-batch's own
     tokens (the dispatch then needs the same token count on every rank); False sizes the capacity by an
-    ``all_reduce`` over the expert-parallel group inside the router (every router call is a collective)."""
+    ``all_reduce`` over the expert-parallel group inside the router (every router call is a collective).
+    At ``k=1`` the gate keeps DeepSpeed's default random token selection (``use_rts=True``): which tokens
+    over capacity it drops is a random draw."""
     from atlas_tracking.testing.deepspeed_lm import TinyDSLM
 
-    model = TinyDSLM(vocab=64, d=d, layers=2, experts=experts, k=2, ep_size=ep_size)
+    model = TinyDSLM(vocab=64, d=d, layers=2, experts=experts, k=k, ep_size=ep_size)
     for block, drop in zip(model.blocks, drop_tokens):
         block.moe.deepspeed_moe.gate.drop_tokens = drop
     fill_(model, ds_global_name(ep_size, ep_rank, experts), perturb)
@@ -88,21 +90,25 @@ def ds_global_name(ep_size: int, ep_rank: int, experts: int = 8):
 
 
 def ds_expert_parallel(rank: int, world: int, experts: int = 8, n_windows: int = 8, batch_windows: int = 2,
-                       token_chunk: int | None = None, drop_tokens: tuple[bool, bool] = (True, True)) -> dict[str, Any]:
-    """DeepSpeed MoE with ``ep_size = world`` under ``deepspeed.initialize``: a baseline gate, a gate of the
-    perturbed weights against it, and a gate whose ranks hold different canaries (the error each rank saw)."""
+                       token_chunk: int | None = None, drop_tokens: tuple[bool, bool] = (True, True), k: int = 2,
+                       ep_size: int | None = None) -> dict[str, Any]:
+    """DeepSpeed MoE with ``ep_size`` (default: ``world``; 1 is plain data parallelism) under
+    ``deepspeed.initialize``: a baseline gate, a gate of the perturbed weights against it, and a gate whose
+    ranks hold different canaries (the error each rank saw)."""
     import deepspeed
 
     from atlas_tracking.integrations.deepspeed import deepspeed_layers
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    model = ds_moe(world, rank, experts=experts, drop_tokens=drop_tokens)
+    ep = world if ep_size is None else ep_size
+    ep_rank = rank % ep
+    model = ds_moe(ep, ep_rank, experts=experts, drop_tokens=drop_tokens, k=k)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
         "train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
     layers = deepspeed_layers(engine)
     c, cfg = canary(n_windows), config(batch_windows, token_chunk)
     gate0 = measure(engine.module, c, config=cfg, layers=layers)
-    fill_(engine.module, ds_global_name(world, rank, experts), perturb=0.05)
+    fill_(engine.module, ds_global_name(ep, ep_rank, experts), perturb=0.05)
     gate1 = measure(engine.module, c, baseline=Baseline.from_report(gate0), config=cfg, layers=layers)
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json()),
             "disagreement": _disagreement(engine.module, layers, c, rank)}
@@ -124,6 +130,20 @@ def reference(build, n_windows: int = 8, batch_windows: int = 2,
     gate0 = measure(build(0.0), c, config=cfg)
     gate1 = measure(build(0.05), c, baseline=Baseline.from_report(gate0), config=cfg)
     return json.loads(gate0.to_json()), json.loads(gate1.to_json())
+
+
+# --- a transformers family, replicated ------------------------------------------------------------
+
+def family_replicated(rank: int, world: int, name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The tiny model of family ``name`` (``atlas_tracking.testing.families``, config keys ``overrides`` replaced)
+    on every process, as under DDP: a baseline gate, and a gate of the model drawn from another seed against it
+    (on one process: the reference)."""
+    from atlas_tracking.testing.families import family_model
+
+    c, keys = canary(), overrides or {}
+    gate0 = measure(family_model(name, **keys), c, config=CFG)
+    gate1 = measure(family_model(name, seed=1, **keys), c, baseline=Baseline.from_report(gate0), config=CFG)
+    return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
 
 
 # --- DeepSpeed AutoEP -----------------------------------------------------------------------------

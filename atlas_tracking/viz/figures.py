@@ -11,6 +11,7 @@ from atlas_tracking.artifacts.expert_text import layer_label
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.experts import expert_shares, share_change
 from atlas_tracking.schema.record import STAGE_CODES, Status
+from atlas_tracking.viz.tables import NA_TOP1, top1
 
 STATUS_COLORS = {Status.BASELINE: "#7f8c8d", Status.GREEN: "#2e8b57", Status.YELLOW: "#d4a017", Status.RED: "#c0392b"}
 STAGE_ORDER = sorted(STAGE_CODES, key=STAGE_CODES.__getitem__)
@@ -42,12 +43,14 @@ def fig_loss_c2(recs: list[dict[str, Any]]):
     ax1.set_ylabel("loss")
     ax1.set_title("Objective (top) and co-active overlap compatibility C2 (bottom)")
     steps = [r["step"] for r in recs]
-    ax2.plot(steps, [r.get("c2") for r in recs], "o-", color="#e67e22", label="C2 (mean over layers)")
-    base = [r for r in recs if r.get("status") == Status.BASELINE]
-    for b in base:
-        ax2.axhline(b.get("c2"), color="#7f8c8d", ls="--", lw=0.8)
     ax2.set_ylabel("C2")
     ax2.set_xlabel("step")
+    if all(r.get("c2") is None for r in recs) and any(top1(r) for r in recs):
+        ax2.text(0.5, 0.5, f"C2: {NA_TOP1} (no co-active pairs)", ha="center", va="center", transform=ax2.transAxes)
+        return fig
+    ax2.plot(steps, [r.get("c2") for r in recs], "o-", color="#e67e22", label="C2 (mean over layers)")
+    for b in (r for r in recs if r.get("status") == Status.BASELINE and r.get("c2") is not None):
+        ax2.axhline(b["c2"], color="#7f8c8d", ls="--", lw=0.8)
     ax2.legend(loc="best", fontsize=8)
     return fig
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from atlas_tracking.artifacts.history import gates_file, key, read_history, read_lines
 from atlas_tracking.artifacts.run_dir import RunDir
-from atlas_tracking.viz.tables import format_table
+from atlas_tracking.viz.tables import c2_cell, format_table, top1
 
 HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
           "alerts"]
@@ -42,7 +42,8 @@ HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phas
 
 def _row(r: dict[str, Any]) -> list[Any]:
     handoff = r.get("handoff")
-    return [r["step"], r.get("loss"), r.get("c2"), r.get("c2_delta"), r.get("dead_experts"), r.get("min_entropy"),
+    return [r["step"], r.get("loss"), c2_cell(r.get("c2"), top1(r)), c2_cell(r.get("c2_delta"), top1(r)),
+            r.get("dead_experts"), r.get("min_entropy"),
             r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), r.get("status"),
             r.get("stage"), "-" if not handoff else ("yes" if handoff["ready"] else "no"),
             ",".join(a["level"] for a in r.get("alerts", [])) or "-"]

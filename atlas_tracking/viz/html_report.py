@@ -38,6 +38,7 @@ from atlas_tracking.viz.figures import (
     fig_timeline,
     png_bytes,
 )
+from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -54,6 +55,10 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
+
+TOP1_NOTE = ("top-1 routing has no co-active pairs, so C2 and its changes are absent; occupancy, State1, drift and "
+             "State3 carry the read (docs/policy.md#top-1-routing).")
+"""What the report says where a C2 figure would be at top-1 routing."""
 
 BADGE_COLORS = {**{s.value: c for s, c in STATUS_COLORS.items()}, FAILED: "#6c1010"}
 """The badge's colour per word (:func:`~atlas_tracking.schema.record.badge`)."""
@@ -139,16 +144,17 @@ def occupancy_table(recs: list[dict[str, Any]]) -> str:
     base = next((r for r in reversed(recs[:-1]) if r["step"] == last.get("baseline_step")), None)
     base_layers = {lay.get("name"): lay for lay in (base or {}).get("layers", [])}
 
-    def num(x: Any, scale: float = 1.0) -> str:
+    def num(x: Any, scale: float = 1.0, na: str = "-") -> str:
         v = finite_number(x)
-        return "-" if v is None else f"{scale * v:.3g}"
+        return na if v is None else f"{scale * v:.3g}"
 
     rows = []
     for lay in last.get("layers", []):
         b = base_layers.get(lay.get("name"))
-        cells = (("dead_experts", 1.0), ("load_cv", 100.0), ("router_entropy", 1.0), ("c2", 1.0))
-        rows.append([layer_label(lay)] + [(f"{num(b.get(k), s)} -> " if b else "") + num(lay.get(k), s)
-                                          for k, s in cells])
+        na = NA_TOP1 if lay.get("top_k") == 1 else "-"
+        cells = (("dead_experts", 1.0, "-"), ("load_cv", 100.0, "-"), ("router_entropy", 1.0, "-"), ("c2", 1.0, na))
+        rows.append([layer_label(lay)] + [(f"{num(b.get(k), s, n)} -> " if b else "") + num(lay.get(k), s, n)
+                                          for k, s, n in cells])
     return _table(["layer", "dead experts", "load CV x100", "router entropy", "C2"], rows)
 
 
@@ -197,16 +203,25 @@ def run_page(recs: list[dict[str, Any]], title: str,
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
         "occupancy.png": png_bytes(fig_occupancy(recs)),
         "expert_load.png": png_bytes(fig_expert_load(last.get("layers", []), last["step"])),
-        "layer_c2.png": png_bytes(
-            fig_layer_c2(last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / protected / late)")),
-        "layer_c2_delta.png": png_bytes(fig_layer_c2(
-            last.get("layers", []), f"Per-layer change of C2 since the baseline (step {last.get('baseline_step')})",
-            key="c2_delta")),
-        "c2_heatmap.png": png_bytes(fig_c2_heatmap([(r["step"], [lay.get("c2") for lay in r.get("layers", [])])
-                                                    for r in recs], [layer_label(lay) for lay in last.get("layers", [])])),
         "stage_timeline.png": png_bytes(fig_timeline(recs)),
     }
-    rows = [[r["step"], r.get("loss"), r.get("c2"), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
+    if not top1(last):
+        figures.update({
+            "layer_c2.png": png_bytes(fig_layer_c2(
+                last.get("layers", []), f"Per-layer C2 at step {last['step']} (early / protected / late)")),
+            "layer_c2_delta.png": png_bytes(fig_layer_c2(
+                last.get("layers", []), f"Per-layer change of C2 since the baseline (step {last.get('baseline_step')})",
+                key="c2_delta")),
+            "c2_heatmap.png": png_bytes(fig_c2_heatmap(
+                [(r["step"], [lay.get("c2") for lay in r.get("layers", [])]) for r in recs],
+                [layer_label(lay) for lay in last.get("layers", [])])),
+        })
+        layer_c2 = (f"{_img(figures['layer_c2.png'], 'per-layer C2')}\n"
+                    f"{_img(figures['layer_c2_delta.png'], 'per-layer change of C2 since the baseline')}")
+        heatmap = _img(figures["c2_heatmap.png"], "C2 heatmap: layers x gates")
+    else:
+        layer_c2 = heatmap = f"<p>{NA_TOP1}: {html.escape(TOP1_NOTE)}</p>"
+    rows = [[r["step"], r.get("loss"), c2_cell(r.get("c2"), top1(r)), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
              r.get("margin"), r.get("status"), r.get("stage"), "; ".join(a["title"] for a in r.get("alerts", []))]
             for r in recs]
     licensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("licensed", []))
@@ -220,9 +235,8 @@ def run_page(recs: list[dict[str, Any]], title: str,
 {occupancy_table(recs)}
 <h2>Expert load (last gate)</h2>{_img(figures['expert_load.png'], 'expert load: layers x experts')}
 <p>{html.escape(expert_text(last.get('layers', [])))}</p>
-<h2>Per-layer C2 (last gate)</h2>{_img(figures['layer_c2.png'], 'per-layer C2')}
-{_img(figures['layer_c2_delta.png'], 'per-layer change of C2 since the baseline')}
-<h2>C2: layers x gates</h2>{_img(figures['c2_heatmap.png'], 'C2 heatmap: layers x gates')}
+<h2>Per-layer C2 (last gate)</h2>{layer_c2}
+<h2>C2: layers x gates</h2>{heatmap}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
 <h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
@@ -237,11 +251,14 @@ if last.get('param_drift') else 'no parameter drift recorded (a baseline gate, o
 def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
     """The HTML page for one receipts artifact."""
     layers = [{"name": lay["name"], "protected": lay.get("protected"), **lay["receipts"]} for lay in data["layers"]]
-    figures = {"layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
+    is_top1 = top1(data["summary"])
+    figures = {} if is_top1 else {
+        "layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
     keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
-    rows = [[lay["name"]] + [lay.get(k) for k in keys] for lay in layers]
+    rows = [[lay["name"]] + [c2_cell(lay.get(k), is_top1) if k == "c2" else lay.get(k) for k in keys] for lay in layers]
     cliff = html.escape(cliff_text(data["summary"], data["summary"].get("ov_cf_profile") or []))
-    body = (f"<h1>{html.escape(title)}</h1>{_img(figures['layer_c2.png'], 'per-layer C2')}<p>{cliff}</p>"
+    c2 = f"<p>C2: {NA_TOP1}: {html.escape(TOP1_NOTE)}</p>" if is_top1 else _img(figures["layer_c2.png"], "per-layer C2")
+    body = (f"<h1>{html.escape(title)}</h1>{c2}<p>{cliff}</p>"
             f"{_table(['layer', *keys], rows)}<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
     return _page(title, body), figures
 
@@ -254,7 +271,7 @@ def _page(title: str, body: str) -> str:
 def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None) -> Path:
     """Write the HTML report for a run directory or a receipts JSON (and the PNGs when asked)."""
     source = Path(source)
-    if source.is_file() and source.suffix == ".json":
+    if source.suffix == ".json":  # a receipts artifact, also one that is gone (its error says why)
         page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
     else:
         errors = gates_file(source).with_name(ERRORS)

@@ -183,8 +183,33 @@ def _shared_text(row: Family) -> str:
     return text + (f" x sigmoid(`{row.shared.gate}`)" if row.shared.gate else "")
 
 
+NORM_NAMES = {"rms": "RMSNorm", "layernorm": "LayerNorm"}
+"""A row's ``norm_type`` as the family table names it."""
+
+
+def _norm_text(row: Family) -> str:
+    """The pre-norm's kind and gain convention (docs/receipts.md#notation).
+
+    >>> from atlas_tracking.adapters.families import FAMILIES
+    >>> rows = {row.name: row for row in FAMILIES}
+    >>> _norm_text(rows["mixtral"]), _norm_text(rows["qwen3_next"])
+    ('RMSNorm', '(1+w) RMSNorm')
+    """
+    kind = NORM_NAMES[row.norm_type] if isinstance(row.norm_type, str) else "RMSNorm or LayerNorm (config)"
+    return f"(1+w) {kind}" if row.gain == "1+w" else kind
+
+
+def _top_k_text(row: Family) -> str:
+    """The experts per token: the row's fixed number, or ``config`` where the model's config sets it."""
+    return str(row.top_k) if isinstance(row.top_k, int) else "config"
+
+
 def families() -> str:
-    """The transformers family table: every family read exactly, then every family refused with its reason."""
+    """The transformers family table: every family read exactly, then every family refused with its reason.
+
+    Per family: the router's semantics, the experts per token (``k``), whether it has zero-computation experts,
+    the pre-norm's kind and gain convention, and the shared experts.
+    """
     rows = []
     for row in FAMILIES:
         notes = ["exact, tested"]
@@ -194,14 +219,15 @@ def families() -> str:
             notes.append("block scales the routed sum")
         if row.model_types:
             notes.append("also " + ", ".join(f"`{t}`" for t in row.model_types))
-        rows.append([f"`{row.name}`", ", ".join(f"`{b}`" for b in row.blocks), row.router.kind, row.gain,
-                     _shared_text(row), "; ".join(notes)])
+        rows.append([f"`{row.name}`", ", ".join(f"`{b}`" for b in row.blocks), row.router.kind, _top_k_text(row),
+                     "yes" if row.zero_experts else "no", _norm_text(row), _shared_text(row), "; ".join(notes)])
     aliases = {target: alias for alias, target in REFUSED_ALIASES.items()}
     for name, (blocks, why) in REFUSED.items():
         also = f" (also `{aliases[name]}`)" if name in aliases else ""
-        rows.append([f"`{name}`", ", ".join(f"`{b}`" for b in blocks), "-", "-", "-", f"refused{also}: {why}"])
-    return _table(["family (model type)", "MoE block", "router semantics", "norm gain", "shared experts", "status"],
-                  rows)
+        rows.append([f"`{name}`", ", ".join(f"`{b}`" for b in blocks), "-", "-", "-", "-", "-",
+                     f"refused{also}: {why}"])
+    return _table(["family (model type)", "MoE block", "router semantics", "k", "zero experts", "norm",
+                   "shared experts", "status"], rows)
 
 
 GENERATORS: dict[str, Callable[[], str]] = {

@@ -17,6 +17,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from atlas_tracking.receipts.windows import TOP1
+
+NA_TOP1 = "n/a (top-1)"
+"""What a view shows where C2 would be at top-1 routing (docs/receipts.md#top-1-routing-and-zero-computation-experts)."""
+
+
+def top1(record: dict[str, Any]) -> bool:
+    """A record or receipts summary whose C2 is absent because of top-1 routing (its ``c2_absent``).
+
+    >>> top1({"c2": None, "c2_absent": "top-1 routing"}), top1({"c2": 0.1})
+    (True, False)
+    """
+    return record.get("c2_absent") == TOP1
+
+
+def c2_cell(value: Any, is_top1: bool) -> Any:
+    """A C2 value (or a value derived from C2) as a view shows it: :data:`NA_TOP1` in place of an absent one at
+    top-1 routing, else as it is.
+
+    >>> c2_cell(None, True), c2_cell(None, False), c2_cell(0.1, True)
+    ('n/a (top-1)', None, 0.1)
+    """
+    return NA_TOP1 if value is None and is_top1 else value
+
+
 LAYER_COLUMNS: list[tuple[str, str]] = [
     ("dead_experts", "dead"),
     ("load_cv", "load_cv"),
@@ -65,7 +90,7 @@ def layer_table(layers: list[dict[str, Any]]) -> str:
         r = layer["receipts"]
         row: list[Any] = [layer["name"], layer["num_experts"], layer["top_k"], "*" if layer.get("protected") else ""]
         for key, _ in LAYER_COLUMNS:
-            value = r.get(key)
+            value = c2_cell(r.get(key), layer.get("top_k") == 1) if key == "c2" else r.get(key)
             if key.startswith("v2_") and value is not None:
                 value = f"{value:+.4f} {'pass' if r.get(key + '_pass') else 'fail'}"
             row.append(value)
@@ -78,6 +103,8 @@ def summary_line(summary: dict[str, Any]) -> str:
     baseline, the canary NLL delta and ``kl_base``)."""
     def f(key: str, fmt: str) -> str:
         v = summary.get(key)
+        if v is None and key == "c2" and top1(summary):
+            return NA_TOP1
         return "-" if v is None else format(v, fmt)
 
     line = (

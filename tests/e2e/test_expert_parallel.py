@@ -34,6 +34,8 @@ def _check(one_process: tuple[dict, dict], workers: list[dict], experts: int = 8
         receipts = layer["receipts"]
         assert "scope" not in layer and "nonlocal_tokens" not in receipts
         assert all(receipts[name] is not None for name in FIELD_RECEIPTS)
+        check = layer["selfcheck"]  # evaluated on every layer: experts held elsewhere answer over the exchange
+        assert check["recombination"] is not None and check["recombination"] <= check["tolerance"], check
         load = np.asarray(layer and workers[0]["gate0"]["per_window"]["layers"][layer["ordinal"]]["load"]).sum(0)
         half = experts // 2
         assert load[:half].sum() > 0 and load[half:].sum() > 0  # tokens routed to both processes' experts
@@ -48,6 +50,14 @@ def test_deepspeed_moe_ep2_equals_one_process_and_disagreeing_canaries_fail_ever
     _check(pm.reference(lambda perturb: pm.ds_moe(perturb=perturb)), workers)
     errors = [w["disagreement"] for w in workers]
     assert all(e is not None and "disagree on the canary" in e for e in errors) and errors[0] == errors[1]
+
+
+@pytest.mark.slow
+def test_deepspeed_moe_ep4_self_check_recombines_on_every_layer():
+    """ep_size=4, two experts a process: most sampled tokens' experts are held elsewhere, and the self-check's
+    recombination still runs on every layer, those experts answering over the field exchange."""
+    workers = run_workers(pm.ds_expert_parallel, 4, timeout=400)
+    _check(pm.reference(lambda perturb: pm.ds_moe(perturb=perturb)), workers)
 
 
 @pytest.mark.slow

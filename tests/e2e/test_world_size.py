@@ -7,12 +7,17 @@ ep_size=3: the first drops tokens beyond a capacity sized by each rank's own tok
 same token count on every rank), the second does not drop and sizes the capacity by an all_reduce inside
 its router (every call of the router is a collective). Fields are evaluated 7 tokens per call, so in the
 padded call rank 0 needs fewer exchange calls than the others and makes empty ones.
+
+Top-1 DeepSpeed MoE with random token selection drops the same tokens on 1, 2 and 4 processes, and a family with
+zero-computation experts (LongCat-Flash) measures the same on 1 and 2 processes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
+import numpy as np
 import pytest
 
 import atlas_tracking.testing.parallel_models as pm
@@ -64,3 +69,40 @@ def test_three_processes_on_sixteen_windows_agree_with_one_process():
     assert workers[0]["gate0"] == workers[1]["gate0"] == workers[2]["gate0"]
     assert_within_tolerance(ref0, workers[0]["gate0"])
     assert_within_tolerance(ref1, workers[0]["gate1"])
+
+
+@functools.cache
+def _top1_reference() -> tuple[dict, dict]:
+    return pm.reference(lambda perturb: pm.ds_moe(perturb=perturb, k=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "ep_size"), [(2, 1), (2, 2), (4, 4)])
+def test_top1_random_token_selection_drops_the_same_tokens_at_every_world_size(world, ep_size):
+    """DeepSpeed MoE at top-1 with its default random token selection and an evaluation capacity that drops tokens
+    (32 tokens a micro-batch over 8 experts, capacity factor 1), data parallel (ep_size=1) and expert parallel,
+    against one process: the tokens over capacity are ranked by a draw seeded per micro-batch and layer
+    (docs/distributed.md#random-routing), so the same tokens are dropped and every receipt agrees."""
+    pytest.importorskip("deepspeed")
+    workers = run_workers(pm.ds_expert_parallel, world, 8, 8, 2, None, (True, True), 1, ep_size)
+    for ref, gate in zip(_top1_reference(), (workers[0]["gate0"], workers[0]["gate1"])):
+        assert_within_tolerance(ref, gate)
+        for one, many in zip(ref["per_window"]["layers"], gate["per_window"]["layers"]):
+            assert one["dropped_routes"] == many["dropped_routes"]
+        assert all(layer["receipts"]["dropped_routes"] > 0 for layer in gate["layers"])
+        assert all(layer["receipts"]["c2"] is None for layer in gate["layers"])  # no co-active pairs at k = 1
+
+
+@pytest.mark.slow
+def test_zero_expert_family_on_two_processes_agrees_with_one_process():
+    """LongCat-Flash (8 routed experts and 2 zero-computation ones, top-2; 2 layers), replicated on 2 processes."""
+    pytest.importorskip("transformers.models.longcat_flash")
+    keys = {"num_layers": 2}
+    workers = run_workers(pm.family_replicated, 2, "longcat_flash", keys)
+    ref = pm.family_replicated(0, 1, "longcat_flash", keys)
+    for name in ("gate0", "gate1"):
+        assert workers[0][name] == workers[1][name]
+        assert_within_tolerance(ref[name], workers[0][name])
+    for layer in ref["gate0"]["per_window"]["layers"]:
+        load = np.asarray(layer["load"]).sum(0)
+        assert len(load) == 10 and load[8:].sum() > 0  # tokens routed to the zero-computation slots

@@ -11,6 +11,7 @@ from atlas_tracking.integrations.deepspeed import deepspeed_layers
 from torch import nn
 
 from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking.engine.measure import measure_partial
 from atlas_tracking.gate import AtlasGate
 from atlas_tracking.testing.deepspeed_lm import TinyDSLM
 from atlas_tracking.testing.distributed import one_rank_env
@@ -108,6 +109,36 @@ def test_dropped_routes_are_a_receipt():
     assert all(layer["receipts"]["dropped_routes"] > 0 for layer in report.layers)
 
 
+def test_random_token_selection_drops_the_same_tokens_whatever_share_a_process_measures():
+    """Top-1 with random token selection over capacity: the tokens dropped in a micro-batch depend on its windows
+    and the layer, not on the micro-batches a process ran before it (rank 1 of 2 runs windows 2-3 first)."""
+    model = TinyLM(k=1, capacity_factor=0.5, eval_capacity_factor=0.5).eval()
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "batch_windows": 2}})
+
+    def share(rank: int, world: int) -> dict:
+        return measure_partial(model, _canary(), cfg, deepspeed_layers(model), rank, world)
+
+    one = share(0, 1)
+    assert all(layer["dropped_routes"].sum() > 0 for layer in one["layers"])
+    for rank in (0, 1):
+        part = share(rank, 2)
+        own = part["owned"]
+        assert own.sum() == 2
+        for a, b in zip(one["layers"], part["layers"]):
+            assert np.array_equal(a["dropped_routes"][own], b["dropped_routes"][own])
+            assert np.array_equal(a["margin_mean.sum"][own], b["margin_mean.sum"][own])
+        assert np.array_equal(one["nll_sum"][own], part["nll_sum"][own])  # the same tokens dropped, bit for bit
+
+
+def test_a_gate_leaves_the_random_stream_of_training_as_it_was():
+    model = TinyLM(k=1, capacity_factor=0.5, eval_capacity_factor=0.5).eval()
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    measure(model, _canary(), config=CFG, layers=deepspeed_layers(model))
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_discovery_without_explicit_layers_and_under_zero1_engine(tmp_path):
     model = TinyLM(k=2)
     before = measure(model.eval(), _canary(), config=CFG)
@@ -125,3 +156,33 @@ def test_discovery_without_explicit_layers_and_under_zero1_engine(tmp_path):
     engine.step()
     rec = gate.run(1, loss=float(loss))
     assert rec["status"] in ("GREEN", "YELLOW", "RED") and rec["layers"][0]["boundary_drift"] is not None
+
+
+def test_a_layernorm_pre_norm_is_read_on_the_layernorm_state():
+    """A block whose pre-norm is a ``torch.nn.LayerNorm`` (with a bias) is read as one: the self-check's gain
+    column is exact, verify passes and the model drifts by exactly 0 against itself; read as an RMSNorm, the
+    same layer fails the gain check."""
+    from atlas_tracking import Baseline
+    from atlas_tracking.artifacts.gate_report import verify
+    from atlas_tracking.engine.selfcheck import AdapterCheckError
+
+    model = TinyLM().eval()
+    with torch.no_grad():
+        for b in model.blocks:
+            b.norm2 = nn.LayerNorm(16, eps=1e-5)
+            b.norm2.weight.normal_(1.0, 0.1)
+            b.norm2.bias.normal_(0.0, 0.1)
+    layers = deepspeed_layers(model)
+    assert [lay.norm_type for lay in layers] == ["layernorm", "layernorm"]
+    report = measure(model, _canary(), config=CFG, layers=layers)
+    assert verify(report.to_dict()) == []
+    assert all(layer["selfcheck"]["gain"] < 1e-6 for layer in report.layers)
+    again = measure(model, _canary(), config=CFG, layers=deepspeed_layers(model),
+                    baseline=Baseline.from_report(report))
+    assert all(layer[k] == 0.0 for layer in again.drift["layers"]
+               for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift"))
+    as_rms = deepspeed_layers(model)
+    for lay in as_rms:
+        lay.norm_type = "rms"
+    with pytest.raises(AdapterCheckError, match=r"\[gain: "):
+        measure(model, _canary(), config=CFG, layers=as_rms)

@@ -1,7 +1,8 @@
 """LitGPT's ``LLaMAMoE`` inside a real LitGPT ``GPT``: the same exactness checks as every transformers family.
 
 Three tiny configs cover the block's variants: Mixtral-style (plain linear router, top-k then softmax),
-Qwen3-MoE-style with a zero-centred ``(1 + w)`` RMSNorm gain, and DeepSeek-style (``GroupedTopkRouter``:
+Qwen3-MoE-style with a zero-centred ``(1 + w)`` RMSNorm gain, a LayerNorm config (mean-centred, with a bias),
+and DeepSeek-style (``GroupedTopkRouter``:
 sigmoid + correction bias in the best groups, masked experts filled with 0; shared expert; scaling; a dense
 first layer). The model is also found through a Fabric wrapper, as LitGPT's training scripts hold it.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atlas_tracking.adapters import NoRoutedLayersError, find_routed_layers
+from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.testing.families import check_bf16, check_exact, check_measure, spread
 
 litgpt = pytest.importorskip("litgpt.model")
@@ -23,6 +24,7 @@ COMMON = dict(n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=64, p
 VARIANTS = {
     "mixtral": {},
     "unit-offset-norm": dict(norm_class_name="RMSNorm"),
+    "layernorm": dict(norm_class_name="LayerNorm"),
     "deepseek": dict(n_layer=3, n_expert_groups=4, n_topk_groups=2, n_topk_scores_per_group=2, n_shared_expert=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1),
 }
@@ -78,12 +80,10 @@ def test_found_through_a_fabric_wrapper():
                                                                  "_forward_module.transformer.h.1.mlp"]
 
 
-def test_layernorm_config_is_refused_with_the_reason():
-    from litgpt.config import Config
-
-    model = litgpt.GPT(Config(**{**COMMON, "norm_class_name": "LayerNorm"}))
-    with pytest.raises(NoRoutedLayersError, match="mean-centred LayerNorm"):
-        find_routed_layers(model)
+def test_layernorm_config_is_read_on_the_layernorm_state():
+    layers = find_routed_layers(litgpt_model("layernorm"))
+    assert {lay.norm_type for lay in layers} == {"layernorm"}
+    assert all(lay.beta() is not None and bool(lay.beta().abs().gt(0).any()) for lay in layers)
 
 
 @pytest.mark.slow

@@ -140,11 +140,12 @@ def grouped_gemm_on_cpu(monkeypatch):
 
 class MegatronMoEStack(torch.nn.Module):
     """Embedding, two Megatron ``TransformerLayer``s used for their pre-MLP norm and ``MoELayer`` only
-    (their attention needs CUDA), sequence-first hidden states, and an LM head. ``experts`` picks the
+    (their attention needs CUDA), sequence-first hidden states, and an LM head. ``normalization`` is Megatron's
+    config value ("RMSNorm" or "LayerNorm", then a ``torch.nn.LayerNorm`` with a bias). ``experts`` picks the
     local spec's ``SequentialMLP`` or (``moe_grouped_gemm``) legacy ``GroupedMLP``, whose forward asserts
     ``config.bf16`` (the parameters stay fp32 here); ``gated`` uses SwiGLU experts instead of GeLU."""
 
-    def __init__(self, vocab=64, d=32, experts="sequential", gated=False):
+    def __init__(self, vocab=64, d=32, experts="sequential", gated=False, normalization="RMSNorm"):
         super().__init__()
         import torch.nn.functional as F
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -154,7 +155,7 @@ class MegatronMoEStack(torch.nn.Module):
         grouped = experts == "grouped"
         cfg = TransformerConfig(num_layers=2, hidden_size=d, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
                                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
-                                add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
+                                add_bias_linear=False, normalization=normalization, params_dtype=torch.float32,
                                 use_cpu_initialization=True, moe_router_num_groups=4, moe_router_group_topk=2,
                                 moe_grouped_gemm=grouped, bf16=grouped, gated_linear_unit=gated,
                                 activation_func=F.silu if gated else F.gelu)
@@ -214,6 +215,47 @@ def test_moe_layer_on_cpu_recombines_and_measures(megatron_cpu, grouped_gemm_on_
     report = measure(model, canary, config=cfg)
     assert verify(json.loads(report.to_json())) == []
     assert all(layer["receipts"]["rank_violations"] == 0 for layer in report.layers)
+    again = measure(model, canary, baseline=Baseline.from_report(report), config=cfg)
+    assert all(layer[k] == 0.0 for layer in again.drift["layers"]
+               for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift"))
+
+
+def test_input_jitter_is_switched_off_during_a_gate(megatron_cpu):
+    import numpy as np
+
+    from atlas_tracking import AtlasConfig, Canary, measure
+
+    model = MegatronMoEStack().eval()
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 50, "anchors": 16}})
+    canary = Canary.from_token_ids(np.random.default_rng(0).integers(0, 64, 3000), window=12, n_windows=4, seed=0)
+    plain = measure(model, canary, config=cfg)
+    model.layers[0].mlp.router.config.moe_input_jitter_eps = 0.1  # one config for both layers
+    jittered = measure(model, canary, config=cfg)
+    assert [lay["receipts"] for lay in jittered.layers] == [lay["receipts"] for lay in plain.layers]
+    router = model.layers[0].mlp.router
+    assert "apply_input_jitter" not in vars(router)  # the model's own jitter again after the gate
+    x = torch.ones(4, 32)
+    assert not torch.equal(router.apply_input_jitter(x), x)
+
+
+def test_layernorm_pre_norm_is_read_on_the_layernorm_state(megatron_cpu):
+    import numpy as np
+
+    from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+    from atlas_tracking.adapters import find_routed_layers
+    from atlas_tracking.artifacts.gate_report import verify
+
+    model = MegatronMoEStack(normalization="LayerNorm").eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.pre_mlp_layernorm.weight.normal_(1.0, 0.1)
+            layer.pre_mlp_layernorm.bias.normal_(0.0, 0.1)
+    assert [lay.norm_type for lay in find_routed_layers(model)] == ["layernorm"] * 2
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 100, "anchors": 32}})
+    canary = Canary.from_token_ids(np.random.default_rng(0).integers(0, 64, 3000), window=12, n_windows=4, seed=0)
+    report = measure(model, canary, config=cfg)
+    assert verify(report.to_dict()) == []
+    assert all(layer["selfcheck"]["gain"] < 1e-6 for layer in report.layers)
     again = measure(model, canary, baseline=Baseline.from_report(report), config=cfg)
     assert all(layer[k] == 0.0 for layer in again.drift["layers"]
                for k in ("coord_drift", "boundary_drift", "transition_drift", "content_drift"))

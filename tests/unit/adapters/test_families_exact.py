@@ -3,7 +3,9 @@
 Per family, on a tiny random model: the adapter's active sets are the ones the model hands its experts in
 the same forward; ``sum_e w_e u_e(g) + shared(g)`` is the block's output within 1e-5 relative; the fp32
 selection scores reproduce the model's choice when it runs in bf16; ``measure`` and ``verify`` pass (the
-adapter self-check included) and a checkpoint compared with itself drifts by exactly 0.
+adapter self-check included), every receipt stated with a range stays inside it (``check_ranges``: C2, the
+overlaps and redundancy distances, boundary mass, set margins; per layer, window and CI) and a checkpoint compared
+with itself drifts by exactly 0.
 """
 
 from __future__ import annotations

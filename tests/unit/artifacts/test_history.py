@@ -100,7 +100,7 @@ def test_resume_with_another_canary_is_an_explicit_rebaseline(tmp_path, recwarn)
     other = Canary.from_token_ids(PROSE[400_000:], window=32, n_windows=8, seed=1)
     _fit(tmp_path, 20, [AtlasCallback(canary=canary, config=STRICT), _checkpoints(tmp_path)])
     before = _lines(atlas / "gates.jsonl")
-    old_base = Path(before[0]["baseline_path"])
+    old_base = Path(before[-1]["baseline_path"])  # the restored reference (retention keeps it beside the new one)
     old_bytes = {p.name: p.read_bytes() for p in old_base.iterdir()}
     cb = AtlasCallback(canary=other, config=STRICT)
     _fit(tmp_path, 30, [cb, _checkpoints(tmp_path)], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))

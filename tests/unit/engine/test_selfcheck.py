@@ -26,6 +26,7 @@ ROWS = {row.name: row for row in FAMILIES}
 WRONG = {
     "(1 + w) gain read as w": ("qwen3_next", replace(ROWS["qwen3_next"], gain="w"), "gain"),
     "shared expert left out": ("qwen2_moe", replace(ROWS["qwen2_moe"], shared=None), "recombination"),
+    "LayerNorm read as RMSNorm": ("phimoe", replace(ROWS["phimoe"], norm_type="rms"), "gain"),
     "post-norm read as pre-norm": ("flex_olmo", Family("flex_olmo", ("FlexOlmoSparseMoeBlock",), SOFTMAX), "block_input"),
 }
 

@@ -8,14 +8,13 @@ is well above float32 rounding ``c2`` agrees with a float64 loop over the projec
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atlas_tracking.receipts import state2
+from atlas_tracking.testing.numpy_reference import c2_loop
 
 
 def _near_identity(seed: int, n: int, k: int, d: int, delta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -26,21 +25,6 @@ def _near_identity(seed: int, n: int, k: int, d: int, delta: float) -> tuple[np.
     tangent = rng.normal(size=(n, k, d))
     u = scale * zh[:, None, :] + delta * scale * tangent
     return u, zh
-
-
-def _reference_c2(u: np.ndarray, zh: np.ndarray, rho: np.ndarray, s: np.ndarray, beta: float, eps: float) -> list:
-    out = []
-    for t in range(u.shape[0]):
-        v = [u[t, m] - float(np.dot(u[t, m], zh[t])) * zh[t] for m in range(u.shape[1])]
-        num = den = 0.0
-        for a in range(len(v)):
-            for b in range(len(v)):
-                if a != b:
-                    w = rho[t, a] * rho[t, b] * math.exp(-beta * abs(s[t, a] - s[t, b]))
-                    num += w * float(np.dot(v[a], v[b])) / (np.linalg.norm(v[a]) * np.linalg.norm(v[b]) + eps)
-                    den += w
-        out.append(num / den)
-    return out
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,7 +47,7 @@ def test_c2_is_a_cosine_for_near_identity_and_identity_experts(seed, k, d, log_d
                                  torch.tensor(s, dtype=torch.float32), 1.0, 1e-8)
     assert bool(((c2 >= -1.0) & (c2 <= 1.0)).all()) and bool(ok.all())
     if delta >= 1e-3:  # tangent part well above float32 rounding of ||u||: the value itself is right
-        ref = _reference_c2(u, zh, rho, s, 1.0, 1e-8)
+        ref = c2_loop(u, zh, rho, s, 1.0, 1e-8)
         assert np.allclose(c2.numpy(), ref, atol=2e-3), (c2.numpy(), ref)
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atlas_tracking.receipts import consistency, geometry, nll, occupancy, state1, state2, stats, windows
+from atlas_tracking.testing.numpy_reference import c2_loop
 
 SEEDS = (0, 1, 2)
 
@@ -84,6 +85,24 @@ def test_kappa_pairs_and_c2(seed):
         assert abs(float(c2[t]) - num / den) < 1e-9 and bool(ok[t])
     w = state2.pair_weights(torch.tensor(rho), torch.tensor(s), 0.7).numpy()
     assert np.allclose(w.sum((1, 2)), 1.0) and np.allclose(np.diagonal(w, axis1=1, axis2=2), 0.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_c2_leaves_zero_computation_experts_out_of_the_pairs(seed):
+    """Pairs with a zero-computation expert weigh 0, the rest renormalised; under two field-carrying experts, no pair."""
+    rng = _rng(seed)
+    v = rng.normal(size=(8, 4, 6))
+    rho = rng.random((8, 4))
+    rho /= rho.sum(1, keepdims=True)
+    s = rng.normal(size=(8, 4))
+    carries = rng.random((8, 4)) > 0.4
+    carries[0] = [True, False, False, False]  # one field-carrying expert: no pair
+    c2, ok = state2.c2_per_token(torch.tensor(v), torch.tensor(rho), torch.tensor(s), 0.7, 1e-9, torch.tensor(carries))
+    for t, ref in enumerate(c2_loop(v, None, rho, s, 0.7, 1e-9, carries)):
+        if ref is None:
+            assert not bool(ok[t])
+        else:
+            assert bool(ok[t]) and abs(float(c2[t]) - ref) < 1e-9
 
 
 def test_c2_needs_a_pair():

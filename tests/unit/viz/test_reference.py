@@ -43,6 +43,16 @@ def test_the_families_page_lists_every_family_read_and_refused():
         assert "refused" in line and why.replace("|", "\\|") in line, name
 
 
+def test_the_family_table_names_k_zero_experts_and_the_norm_of_each_family():
+    lines = page("families.md").splitlines()
+    header = next(x for x in lines if x.startswith("| family (model type) |"))
+    assert "| k | zero experts | norm |" in header
+    rows = {row.name: next(x for x in lines if x.startswith(f"| `{row.name}` |")) for row in FAMILIES}
+    assert "| config | yes | RMSNorm |" in rows["longcat_flash"]
+    assert "| config | no | (1+w) RMSNorm |" in rows["qwen3_next"]
+    assert sum("| yes |" in line for line in rows.values()) == sum(row.zero_experts is not None for row in FAMILIES)
+
+
 def test_the_configuration_page_lists_every_key():
     text = page("configuration.md")
     for section, values in AtlasConfig().to_dict().items():

@@ -1,0 +1,37 @@
+"""Plain numpy loops the tests hold the receipts to (docs/receipts.md), written from the definitions, not the code.
+
+>>> import numpy as np
+>>> v = np.array([[[1.0, 0.0], [1.0, 0.0]]])
+>>> c2_loop(v, None, np.array([[0.5, 0.5]]), np.zeros((1, 2)), beta=1.0, eps=0.0)
+[1.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def c2_loop(u: np.ndarray, zh: np.ndarray | None, rho: np.ndarray, s: np.ndarray, beta: float, eps: float,
+            carries: np.ndarray | None = None) -> list[float | None]:
+    """Per-token C2 (docs/receipts.md#state2-co-active-overlap-compatibility) over the ordered pairs of the active
+    experts that carry a field (``carries [N, k]``; all of them when None): ``sum w kappa / sum w`` with
+    ``w = rho_a rho_b exp(-beta |s_a - s_b|)``. ``u [N, k, d]`` are raw fields projected at ``zh [N, d]``
+    (None: ``u`` is already tangent). A token with fewer than two field-carrying experts gives None."""
+    out: list[float | None] = []
+    for t in range(u.shape[0]):
+        keep = [m for m in range(u.shape[1]) if carries is None or carries[t, m]]
+        if len(keep) < 2:
+            out.append(None)
+            continue
+        v = {m: u[t, m] if zh is None else u[t, m] - float(np.dot(u[t, m], zh[t])) * zh[t] for m in keep}
+        num = den = 0.0
+        for a in keep:
+            for b in keep:
+                if a != b:
+                    w = rho[t, a] * rho[t, b] * math.exp(-beta * abs(s[t, a] - s[t, b]))
+                    num += w * float(np.dot(v[a], v[b])) / (np.linalg.norm(v[a]) * np.linalg.norm(v[b]) + eps)
+                    den += w
+        out.append(float(num / den))
+    return out
