@@ -54,8 +54,9 @@ from atlas_tracking.decisions.alerts import AlertEngine
 from atlas_tracking.decisions.phases import model_vocab_size
 from atlas_tracking.decisions.policy import GatePolicy, GateSummary
 from atlas_tracking.decisions.protection import for_gate, record_fields
+from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.canary import Canary, check_canary_fits
-from atlas_tracking.engine.measure import ForwardFn, default_forward, measure
+from atlas_tracking.engine.measure import ForwardFn, anchor_storage, default_forward, measure
 from atlas_tracking.engine.param_reference import ParamDriftError, ParamReference
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.sinks.delivery import Delivery
@@ -107,6 +108,8 @@ class AtlasGate:
         check_canary_fits(model, self.canary)
         self.run_dir = RunDir(out_dir)
         self.layers = layers if layers is not None else find_routed_layers(model)
+        rcfg = self.config.receipts  # a baseline budget no storage form fits fails now, before training starts
+        anchor_storage(rcfg, self.layers, AnchorPlan.select(self.canary, rcfg.anchors, rcfg.seed))
         self.handoff_reference = self._declared_reference()
         """The declared healthy reference of the handoff margin (``lifecycle.handoff_reference``), or None."""
         self.forward = forward

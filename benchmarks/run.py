@@ -8,6 +8,7 @@
 (d) baseline artifact size;
 (e) scaling over canary tokens and over the number of experts E;
 (j) a fit against a tracker that never answers, against no tracker (``benchmarks/tracker_stall.py``).
+(l) frontier layouts: bytes, memory and time per gate, fitted and extrapolated (``benchmarks/scale.py``).
 Ratios are taken in one process; they are benchmarks, not timed tests.
 """
 
@@ -232,6 +233,14 @@ def tracker_stall() -> dict:
     return json.loads(out.read_text())
 
 
+def frontier_scale() -> dict:
+    """(l) Frontier layouts at reduced width, fitted and extrapolated: run by ``benchmarks/scale.py`` in a fresh
+    process (its points in one more of their own)."""
+    out = HERE / "scale.json"
+    subprocess.run([sys.executable, str(HERE / "scale.py"), "--out", str(out)], check=True, timeout=3600)
+    return json.loads(out.read_text())["extrapolated"]
+
+
 def scaling(repeats: int) -> dict:
     out = {"canary_tokens": [], "experts": []}
     model = demo_model()
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=600)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-tracker-stall", action="store_true", help="skip (j), a tracker that never answers")
+    parser.add_argument("--skip-scale", action="store_true", help="skip (l), the frontier layouts' cost model")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, canary = demo_model(device=args.device), demo_canary()
@@ -296,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tracker_stall:
         print("(j) a tracker that never answers ...", flush=True)
         results["tracker_stall"] = tracker_stall()
+    if not args.skip_scale:
+        print("(l) frontier layouts ...", flush=True)
+        results["frontier_scale"] = frontier_scale()
     Path(args.out).write_text(json.dumps(results, indent=1))
     g = results["gate_vs_forward"]
     print(f"gate / plain forward = {g['ratio_gate']:.2f} (with drift {g['ratio_gate_with_drift']:.2f}); "

@@ -4,8 +4,10 @@ A baseline directory holds ``anchors.safetensors`` (per layer and anchor token: 
 the tangent-projected base fields u0 of R0, base boundary membership b0, Gamma0, and beta0 for a LayerNorm
 with a bias) and
 ``manifest.json`` (schema version, canary and model fingerprints, config, step, anchor
-positions, reference receipts and the per-window arrays used for paired bootstraps, and the
-sha256 of the tensor file). It is loaded without pickle, and checked before use.
+positions and their storage form, reference receipts and the per-window arrays used for paired bootstraps,
+and the sha256 of the tensor file). It is loaded without pickle, and checked before use. The storage form (exact
+float32, half precision without g0, or projected u0) is chosen from ``receipts.baseline_budget_bytes``
+(docs/receipts.md#compact-anchors); a baseline without ``anchors.storage`` is exact float32.
 
 With ``receipts.kl_top_k`` = K > 0 it also keeps, per canary predicted token, the base model's
 top-K log-probabilities (``kl.logp`` fp32 ``[W, T-1, K]``), their vocabulary indices
@@ -49,6 +51,7 @@ import torch
 
 from atlas_tracking.artifacts.gate_report import GateReport
 from atlas_tracking.artifacts.io import check_header, jsonable, replace_durably, write_atomic
+from atlas_tracking.receipts.sketch import sketch_matrix
 from atlas_tracking.schema.artifacts import (
     BASE_TENSORS,
     BASELINE_KIND,
@@ -91,7 +94,7 @@ class Baseline:
             raise BaselineError("this report holds no anchor tensors: measure it with keep_anchors=True")
         tensors: dict[str, torch.Tensor] = {}
         for i, anchors in enumerate(report.anchors["layers"]):
-            for key in BASE_TENSORS:
+            for key in (key for key in BASE_TENSORS if key in anchors):  # a compact baseline keeps no g0
                 t = anchors[key]
                 tensors[f"{i}.{key}"] = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
             tensors.update({f"{i}.{key}": anchors[key].contiguous() for key in NORM_TENSORS if key in anchors})
@@ -111,7 +114,8 @@ class Baseline:
                 "canary": report.canary,
                 "model": {**report.model, "layers": [layer_key(layer) for layer in report.layers]},
                 "config": report.config,
-                "anchors": {"positions": report.anchors["positions"], "batch_windows": report.anchors["batch_windows"]},
+                "anchors": {"positions": report.anchors["positions"], "batch_windows": report.anchors["batch_windows"],
+                            **_storage(report.anchors, tensors)},
                 "kl": kl_info,
                 "reference": [{k: layer["receipts"].get(k) for k in REFERENCE_KEYS} for layer in report.layers],
                 "summary": report.summary,
@@ -179,6 +183,8 @@ class Baseline:
         n_anchor = len(self.manifest["anchors"]["positions"])
         for i, layer in enumerate(self.manifest["model"]["layers"]):
             for key in (*BASE_TENSORS, "gamma0"):
+                if key == "g0" and self.storage is not None and self.storage["form"] != "exact":
+                    continue  # recomputed from z0 and gamma0
                 if f"{i}.{key}" not in self.tensors:
                     raise BaselineError(f"baseline lacks tensor {i}.{key} for layer {layer['name']}")
             if self.tensors[f"{i}.z0"].shape != (n_anchor, layer["hidden_size"]):
@@ -240,10 +246,33 @@ class Baseline:
                                 f"this model's logits over {vocab_size}; kl_base compares the same vocabulary")
         return tuple(self.tensors[f"kl.{key}"][start:end] for key in KL_TENSORS)  # type: ignore[return-value]
 
+    @property
+    def storage(self) -> dict[str, Any] | None:
+        """The anchors' storage form (docs/receipts.md#compact-anchors); None: a baseline saved before storage forms
+        existed, exact float32."""
+        return self.manifest["anchors"].get("storage")
+
     def layer_tensors(self, i: int, device: torch.device) -> dict[str, torch.Tensor]:
-        out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS}
+        """Layer ``i``'s anchor tensors on ``device``; a compact form adds what drift needs to read them: the
+        norm's ``gamma0`` (and ``beta0``) to recompute ``g0``, and the projection ``sketch`` of the fields."""
+        out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS if f"{i}.{key}" in self.tensors}
         out["b0"] = out["b0"].bool()
+        storage = self.storage
+        if storage is not None and storage["form"] != "exact":
+            out.update({key: self.tensors[f"{i}.{key}"].to(device) for key in NORM_TENSORS if f"{i}.{key}" in self.tensors})
+        if storage is not None and storage["sketch_dim"]:
+            width = self.manifest["model"]["layers"][i]["hidden_size"]
+            out["sketch"] = sketch_matrix(storage["sketch_dim"], width, storage["sketch_seed"]).to(device)
         return out
+
+
+def _storage(anchors: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The manifest's ``storage``: the form a gate chose, with the dtype each anchor tensor is stored in."""
+    if "storage" not in anchors:
+        return {}
+    dtypes = {key: str(tensors[f"0.{key}"].dtype).removeprefix("torch.") if f"0.{key}" in tensors else "recomputed"
+              for key in BASE_TENSORS}
+    return {"storage": {**anchors["storage"], "dtypes": dtypes}}
 
 
 def layer_key(layer: dict[str, Any]) -> dict[str, Any]:

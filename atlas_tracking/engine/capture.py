@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
+from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.engine.selfcheck import SelfCheck
@@ -30,6 +31,7 @@ from atlas_tracking.receipts.drift import (
 )
 from atlas_tracking.receipts.geometry import angular, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
+from atlas_tracking.receipts.sketch import project
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
 from atlas_tracking.receipts.windows import COUNTERS
@@ -253,6 +255,7 @@ class LayerCapture:
         collect: bool = False,
         base: dict[str, torch.Tensor] | None = None,
         post_base: dict[str, torch.Tensor] | None = None,
+        storage: AnchorStorage | None = None,
     ):
         self.layer = layer
         self.acc = acc
@@ -261,6 +264,8 @@ class LayerCapture:
         self.collect = collect
         self.references = {"": base, "base.": post_base}
         """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
+        self.storage = storage if storage is not None else AnchorStorage("exact")
+        """How the anchors being collected are stored (docs/receipts.md#compact-anchors)."""
         self.evaluator: FieldEvaluator = field_evaluator(layer)
         self.carries = field_carriers(layer, acc.device)
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -485,13 +490,13 @@ class LayerCapture:
             return []
         out = []
         if self.collect:
-            z = self.layer.normalize(x2.index_select(0, loc))
+            z = self.storage.round_state(self.layer.normalize(x2.index_select(0, loc)))  # what the baseline keeps
             g = self.layer.gain(z).to(dtype)
             with self._model_arithmetic():
                 routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
         for target, ref in drifts:
-            z0 = ref["z0"][a0:a1]
+            z0 = ref["z0"][a0:a1].float()
             g = self.layer.gain(z0).to(dtype)  # transport: Gamma_j z0 (+ beta_j)
             with self._model_arithmetic():
                 routing = self.layer.route(g)
@@ -567,8 +572,11 @@ class LayerCapture:
         if handed is not None:
             (active_u,) = self._pair_call([(g2, handed.index)], g2)
             outs = {name: COMBINES[name](active_u, handed.weights, handed.index, handed.dtype) for name in combines}
-            # each expert of the adapter's active set: its slot in the model's call
+            # each expert of the adapter's active set: its row in the model's call (row copies, not an
+            # element-wise gather over [N, k, d])
             in_slots = (routing.active.unsqueeze(2) == handed.index.unsqueeze(1)).int().argmax(dim=2)
+            in_rows = in_slots + torch.arange(n, device=dev).view(-1, 1) * active_u.shape[1]
+            active_rows = active_u.reshape(-1, d)
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
@@ -579,11 +587,13 @@ class LayerCapture:
             u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
             u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
             if active_u is not None:
-                slots = in_slots[t0:t1].unsqueeze(-1).expand(-1, -1, d)
-                u = torch.cat([active_u[t0:t1].gather(1, slots).float(), u], dim=1)
+                both = torch.empty(t1 - t0, k + 1, d, dtype=torch.float32, device=dev)
+                both[:, :k] = active_rows.index_select(0, in_rows[t0:t1].reshape(-1)).view(t1 - t0, k, d)
+                both[:, k:] = u
+                u = both
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
                                                    cfg.eps_kappa, active_fields[t0:t1])
-            u_k = u.gather(1, pos_k[t0:t1].view(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+            u_k = u[torch.arange(t1 - t0, device=dev), pos_k[t0:t1]]
             v_k[t0:t1] = tangent_project(u_k, z)
             v_k1 = tangent_project(u[:, k], z)
             field = tangent_project(torch.bmm(rho_fields[t0:t1].unsqueeze(1), u[:, :k]).squeeze(1), z)
@@ -662,27 +672,34 @@ class LayerCapture:
             if a.collect:
                 self._collect(a, v_a, g2, in_b)
             else:
-                self._drift(a, v_a, g2)
+                self._drift(a, v_a, g2, x2)
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
-        field_dtype = getattr(torch, self.cfg.baseline_fields_dtype)
-        self.collected.append((a.a0, {
-            "z0": a.z, "g0": g2[a.loc].float(), "R0": a.routing.active, "p0": a.routing.probs,
-            "u0": u.to(field_dtype), "b0": in_b[a.loc],
-        }))
+        """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``
+        and ``p0`` in float16 (``a.z`` is already rounded, and routed and evaluated as rounded) and no ``g0``."""
+        st = self.storage
+        tensors = {"z0": a.z.to(torch.float16) if st.compact else a.z, "R0": a.routing.active,
+                   "p0": a.routing.probs.to(torch.float16) if st.compact else a.routing.probs,
+                   "u0": st.store_fields(u), "b0": in_b[a.loc]}
+        if not st.compact:
+            tensors["g0"] = g2[a.loc].float()
+        self.collected.append((a.a0, tensors))
 
-    def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor) -> None:
-        base = {key: v[a.a0 : a.a0 + len(a.loc)] for key, v in self.references[a.target].items()}
+    def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> None:
+        ref = self.references[a.target]
+        base = {key: ref[key][a.a0 : a.a0 + len(a.loc)] for key in BASE_TENSORS if key in ref}
         u0 = base["u0"]
+        if "sketch" in ref:  # projected exactly as the base fields were
+            u1 = project(u1, ref["sketch"])
         u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
         changed = active_set_change(base["R0"], a.routing.active)
         fields = self.carries.to(u1.device)[base["R0"].long()] if self.layer.zero_experts else None
         content = content_drift_per_token(u1, u0.float(), self.cfg.eps_d, self.cfg.content_quantile, fields)
         has_field = torch.ones_like(changed, dtype=torch.bool) if fields is None else fields.any(dim=1)
         values = torch.stack([
-            one_minus_cos(base["g0"], g2[a.loc]),  # DRIFT_RECEIPTS order
+            one_minus_cos(*self._gate_inputs(base, ref, g2, x2, a.loc)),  # DRIFT_RECEIPTS order
             changed,
-            js_divergence(base["p0"], a.routing.probs),
+            js_divergence(base["p0"], a.routing.probs.to(base["p0"].dtype)),  # at the stored precision
             torch.where(has_field, content, 0.0),
         ]).float()
         win = torch.div(a.loc, self.acc.window, rounding_mode="floor") + self.batch.start
@@ -692,6 +709,16 @@ class LayerCapture:
         sums, totals = self.acc.drift[a.target]
         sums.index_add_(1, win, values)
         totals.index_add_(1, win, counts)
+
+    def _gate_inputs(self, base: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], g2: torch.Tensor,
+                     x2: torch.Tensor, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate inputs ``coord_drift`` compares: the stored ``g0`` and the forward's own, or, where a compact
+        baseline keeps no ``g0``, ``gamma0 z0 (+ beta0)`` and the same gain of the state rounded as ``z0`` was."""
+        if "g0" in base:
+            return base["g0"], g2[loc]
+        z1 = self.layer.normalize(x2.index_select(0, loc)).to(base["z0"].dtype).float()
+        g0 = ref["gamma0"] * base["z0"].float()
+        return (g0 if "beta0" not in ref else g0 + ref["beta0"]), self.layer.gain(z1)
 
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
@@ -743,4 +770,4 @@ def collected_anchors(captures: list[LayerCapture]) -> list[list[tuple[int, dict
 def concat_anchors(parts: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Anchor slices (from one or several ranks) concatenated in anchor order."""
     parts = sorted(parts, key=lambda item: item[0])
-    return {key: torch.cat([p[key] for _, p in parts]) for key in BASE_TENSORS} if parts else {}
+    return {key: torch.cat([p[key] for _, p in parts]) for key in BASE_TENSORS if key in parts[0][1]} if parts else {}

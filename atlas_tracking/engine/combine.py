@@ -43,8 +43,9 @@ def slot_sum(u: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, dtype:
 
 def ascending_adds(u: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each ``w_j u_j`` cast to ``dtype``, added into zeros in ascending expert order (``index`` ``[N, k]``)."""
-    order = index.argsort(dim=1, stable=True)
-    terms = (u * weights.unsqueeze(-1)).gather(1, order.unsqueeze(-1).expand(-1, -1, u.shape[-1])).to(dtype)
+    n, k, d = u.shape
+    order = index.argsort(dim=1, stable=True) + torch.arange(n, device=u.device).view(-1, 1) * k  # rows of w_j u_j
+    terms = (u * weights.unsqueeze(-1)).reshape(-1, d).index_select(0, order.reshape(-1)).view(n, k, d).to(dtype)
     out = terms.new_zeros((u.shape[0], u.shape[-1]))
     for j in range(terms.shape[1]):
         out = out + terms[:, j]

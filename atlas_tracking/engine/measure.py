@@ -31,6 +31,7 @@ from torch import nn
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.gate_report import GateReport, model_fingerprint
+from atlas_tracking.engine.anchor_storage import AnchorStorage, configured_storage
 from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.canary import Canary, check_canary_fits
 from atlas_tracking.engine.capture import (
@@ -47,7 +48,7 @@ from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.receipts.kl import base_topk, window_kl
 from atlas_tracking.receipts.lifecycle import protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
-from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.schema.config import AtlasConfig, ReceiptsConfig
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
 """(model, input_ids [B, L]) -> next-token logits [B, L, V], or None when there is no LM head."""
@@ -185,11 +186,12 @@ def measure_partial(
     # drift since the base needs the base's anchors at the baseline's positions (the same receipts.anchors and seed)
     same_anchors = post_base is not None and anchors is not None and np.array_equal(post_base.positions,
                                                                                      anchors.positions)
+    storage = anchor_storage(rcfg, layers, anchors) if collect else None  # a ConfigError before any forward
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_tensors(i, device) if baseline is not None else None
         since = post_base.layer_tensors(i, device) if post_base is not None and same_anchors else None
-        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base, since))
+        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base, since, storage))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     kl_k = rcfg.kl_top_k if collect else 0
@@ -349,9 +351,17 @@ def build_report(
             "layers": layer_anchors,
             "positions": anchors.positions.tolist(),
             "batch_windows": rcfg.batch_windows,
+            "storage": anchor_storage(rcfg, layers, anchors).describe(len(anchors.positions),
+                                                                     max(lay.top_k for lay in layers)),
             "kl": merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k),
         }
     return report
+
+
+def anchor_storage(rcfg: ReceiptsConfig, layers: list[RoutedLayer], anchors: AnchorPlan | None) -> AnchorStorage:
+    """How this gate stores the anchors it collects (docs/receipts.md#compact-anchors)."""
+    n = 0 if anchors is None else len(anchors.positions)
+    return configured_storage(rcfg, [(lay.hidden_size, lay.top_k, lay.num_experts) for lay in layers], n)
 
 
 def merge_topk(parts: list[Any], n_windows: int, top_k: int) -> dict[str, Any]:

@@ -30,7 +30,8 @@ BASELINE_MANIFEST_FILE = "manifest.json"
 BASE_TENSORS = ("z0", "g0", "R0", "p0", "u0", "b0")
 """Per routed layer and anchor token, what a baseline keeps: the pre-gain state z0, the gate input g0, the
 active set R0, the routing distribution p0, the tangent-projected base fields u0 of R0, and base boundary
-membership b0 (besides the pre-norm's :data:`NORM_TENSORS`)."""
+membership b0 (besides the pre-norm's :data:`NORM_TENSORS`). A compact baseline keeps no g0 and may keep u0 projected
+(its manifest's ``anchors.storage``; docs/receipts.md#compact-anchors)."""
 NORM_TENSORS = ("gamma0", "beta0")
 """Per routed layer, the pre-norm's parameters at the baseline (fp32): the gain ``gamma0`` and, for a LayerNorm
 with a bias, its bias ``beta0`` (absent otherwise; docs/receipts.md#layernorm-state)."""

@@ -65,8 +65,18 @@ class ReceiptsConfig:
     evaluates the fields a second time in the block's hook (docs/receipts.md#precision)."""
     anchors: int = 1024
     """Anchor tokens kept in a baseline for drift receipts."""
-    baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    """Storage dtype of the base expert fields in a baseline artifact."""
+    baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """Storage dtype of the base expert fields ``u0`` in a baseline artifact. None (default): chosen with the
+    anchors' storage form from ``baseline_budget_bytes``. "float32" keeps every anchor tensor exact; "float16"
+    or "bfloat16" stores ``u0`` in that dtype with ``z0`` and ``p0`` in float16 and ``g0`` recomputed
+    (docs/receipts.md#compact-anchors)."""
+    anchor_sketch_dim: int | None = None
+    """Dimension m of the fixed random projection the base fields ``u0`` are stored in. None (default): chosen
+    from ``baseline_budget_bytes``; 0: no projection; m >= 1: this m (docs/receipts.md#compact-anchors)."""
+    baseline_budget_bytes: int | None = 1_000_000_000
+    """Most bytes one baseline's anchor tensors may take: the most exact storage form that fits is chosen
+    before collecting (exact float32, half precision, then projected fields of the largest power-of-two
+    dimension). None: no limit (exact float32). A layout whose most compact form does not fit is a ConfigError."""
     kl_top_k: int = 32
     """Base log-probabilities kept per canary predicted token in a baseline (the top-K and the remaining
     mass) for ``kl_base``, the bounded forward KL(base || now) each gate reports: K x 8 + 4 bytes per token
@@ -90,6 +100,14 @@ class ReceiptsConfig:
             raise ConfigError(f"'{prefix}kl_top_k' must be an integer >= 0 (0: no kl_base), got {self.kl_top_k!r}")
         if any(d <= 0 for d in self.boundary_deltas):
             raise ConfigError(f"'{prefix}boundary_deltas' must be positive numbers, got {self.boundary_deltas!r}")
+        if self.anchor_sketch_dim is not None and self.anchor_sketch_dim < 0:
+            raise ConfigError(f"'{prefix}anchor_sketch_dim' must be >= 0 (0: no projection) or null, "
+                              f"got {self.anchor_sketch_dim!r}")
+        if self.anchor_sketch_dim and self.baseline_fields_dtype == "float32":
+            raise ConfigError(f"'{prefix}anchor_sketch_dim' {self.anchor_sketch_dim} needs a half-precision "
+                              f"'{prefix}baseline_fields_dtype' (float16, bfloat16 or null), got float32")
+        if self.baseline_budget_bytes is not None and self.baseline_budget_bytes < 1:
+            raise ConfigError(f"'{prefix}baseline_budget_bytes' must be >= 1 or null, got {self.baseline_budget_bytes!r}")
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""Gate / plain forward at many routed layers and experts, and where a gate's time goes.
+
+``python benchmarks/gate_profile.py`` writes ``benchmarks/gate_profile.json``: CPU seconds of a plain no-grad
+forward over the canary, of a gate (fused mode, no baseline) and of a gate against a baseline (drift), their
+ratios, and the functions a profiled gate spends most of its own time in (``cProfile``, seconds of the profiled
+run: the profiler's overhead inflates them alike), for freshly initialised Qwen3-MoE models of width 64 with
+k = 8: 24 routed layers x 128 experts and 8 routed layers x 64 experts, each over a 32 x 128-token canary.
+One process, one torch thread, passes interleaved, the medians of ``--repeats`` (results in
+``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.testing.bench import cpu_seconds, write_result
+from atlas_tracking.testing.demo import demo_canary
+from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {
+    "24 layers x 128 experts": dict(layers=24, experts=128),
+    "8 layers x 64 experts": dict(layers=8, experts=64),
+}
+WIDTH, TOP_K, WINDOWS = 64, 8, 32
+
+
+def plain_forward(model: torch.nn.Module, canary: Canary, batch: int) -> None:
+    """The model's own no-grad forward over the canary, in the gate's micro-batches."""
+    with torch.no_grad():
+        for start in range(0, canary.n_windows, batch):
+            model(input_ids=torch.as_tensor(canary.windows[start : start + batch], dtype=torch.long), use_cache=False)
+
+
+def top_costs(run: Any, n: int) -> list[tuple[str, int, float]]:
+    """The ``n`` functions with the most own time in one profiled ``run()``: (function, calls, seconds)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = [(f"{Path(file).name}:{line}({name})" if line else name, calls, own)
+            for (file, line, name), (_, calls, own, _, _) in stats.items()]
+    return [(name, calls, round(own, 4)) for name, calls, own in sorted(rows, key=lambda r: -r[2])[:n]]
+
+
+def one_shape(layers: int, experts: int, repeats: int, profile_top: int) -> dict[str, Any]:
+    model = build_qwen3_moe(seed=0, hidden=WIDTH, layers=layers, experts=experts, top_k=TOP_K, aux_coef=0.0).eval()
+    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False}})
+    base = Baseline.from_report(measure(model, canary, config=cfg))
+    passes = {
+        "plain": lambda: plain_forward(model, canary, cfg.receipts.batch_windows),
+        "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False),
+        "gate_with_drift": lambda: measure(model, canary, baseline=base, config=cfg, keep_anchors=False),
+    }
+    for run in passes.values():  # warm-up
+        run()
+    med = {name: statistics.median(t) for name, t in cpu_seconds(passes, repeats).items()}
+    return {
+        "cpu_seconds_median": med,
+        "over_plain_forward": {name: med[name] / med["plain"] for name in ("gate", "gate_with_drift")},
+        "gate_top_costs": top_costs(passes["gate"], profile_top),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile-top", type=int, default=15, help="functions listed from the profiled gate")
+    ap.add_argument("--out", default=str(HERE / "gate_profile.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"torch_threads": 1, "repeats": args.repeats, "width": WIDTH, "top_k": TOP_K,
+                              "canary_windows": WINDOWS, "shapes": {}}
+    for name, shape in SHAPES.items():
+        result["shapes"][name] = one_shape(**shape, repeats=args.repeats, profile_top=args.profile_top)
+    write_result(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
