@@ -412,6 +412,8 @@ ROWS = {
     "tracker keys per gate": (("tracker_keys",), "tracker_keys", lambda v: f"{v:.0f}"),
 }
 """The extrapolated table: row -> (the fitted quantities it adds up, its key in ``extrapolate``, format)."""
+RELIABLE_R2 = 0.95
+"""A row is extrapolated only when every fit it adds up explains at least this much of the measured variation."""
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -427,7 +429,10 @@ def markdown(result: dict[str, Any]) -> str:
     for row, (parts, key, fmt) in ROWS.items():
         how = " + ".join(parts) if parts else (f"{kept} x bytes per baseline + 1,000 x (pretraining gate - baseline)"
                                                " + 1,000 x post-training gate")
-        lines.append(f"| {row} | {how} | " + " | ".join(f"{fmt(ext[n][key])} (extrapolated)" for n in names) + " |")
+        r2 = min((fits[q]["r2"] for q in parts), default=1.0)
+        cells = ([f"{fmt(ext[n][key])} (extrapolated)" for n in names] if r2 >= RELIABLE_R2
+                 else [f"not extrapolated (fit R^2 {r2:.2f})"] * len(names))
+        lines.append(f"| {row} | {how} | " + " | ".join(cells) + " |")
     check = result["check_width_1024"]
     lines += ["", f"| width check: {check['point']['point']['layout']} layout, d=1024, "
               f"L={check['point']['shape']['L']}, kept out of the fit | measured | formula | measured / formula |",
