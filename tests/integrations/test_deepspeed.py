@@ -126,8 +126,9 @@ def test_random_token_selection_drops_the_same_tokens_whatever_share_a_process_m
         assert own.sum() == 2
         for a, b in zip(one["layers"], part["layers"]):
             assert np.array_equal(a["dropped_routes"][own], b["dropped_routes"][own])
-            assert np.array_equal(a["margin_mean.sum"][own], b["margin_mean.sum"][own])
-        assert np.array_equal(one["nll_sum"][own], part["nll_sum"][own])  # the same tokens dropped, bit for bit
+            # the same micro-batch in another process order: equal to rounding (a different drop moves these ~1e-2)
+            assert np.allclose(a["margin_mean.sum"][own], b["margin_mean.sum"][own], rtol=0, atol=1e-5)
+        assert np.allclose(one["nll_sum"][own], part["nll_sum"][own], rtol=0, atol=1e-5)
 
 
 def test_a_gate_leaves_the_random_stream_of_training_as_it_was():
