@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint bench clean
+.PHONY: demo test docs lint bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,22 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# On a CUDA machine: the tests marked gpu, the Megatron-Core loop and the GPU benchmark, one JSON
+# (benchmarks/gpu_check.json; benchmarks/gpu_check.py says what each section measures). It runs with that machine's
+# own python3 and its CUDA torch, not .venv (whose pinned torch is the CPU wheel): the project is installed there
+# (editable, without dependencies), after the wheels in .whl/ if there are any, for a machine without a registry.
+GPU_OUT ?= benchmarks/gpu_check.json
+GPU_WHEELS := transformers tokenizers megatron-core threadpoolctl
+gpu-check:
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation $(wildcard .whl/*.whl) -e .
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT)
+
+# The wheels gpu-check installs on a machine without a registry (Python 3.12, x86-64), at constraints.txt's versions.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$(foreach p,$(GPU_WHEELS),$(shell grep -i '^$(p)==' constraints.txt))
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

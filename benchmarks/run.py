@@ -163,7 +163,7 @@ def realistic_model(hidden: int, moe_intermediate: int, experts: int, top_k: int
         vocab_size=256, hidden_size=hidden, intermediate_size=4 * moe_intermediate,
         moe_intermediate_size=moe_intermediate, num_hidden_layers=layers, num_attention_heads=hidden // 128,
         num_key_value_heads=max(1, hidden // 512), head_dim=128, num_experts=experts, num_experts_per_tok=top_k,
-        max_position_embeddings=512, tie_word_embeddings=True,
+        max_position_embeddings=4096, tie_word_embeddings=True,
     )
     with torch.device(device):
         model = Qwen3MoeForCausalLM(cfg)

@@ -180,6 +180,7 @@ def capture_layers(model, ids, forward=None):
         handles.append(lay.block.register_forward_hook(lambda m, i, o, d=d: d.update(out=o[0] if isinstance(o, tuple) else o)))
         if lay.fusable:
             handles.append(lay.experts.register_forward_hook(lambda m, i, o, d=d: d.update(index=i[1])))
+    ids = ids.to(next(model.parameters()).device)
     with torch.no_grad():
         model(input_ids=ids, use_cache=False) if forward is None else forward(model, ids)
     for h in handles:
@@ -221,8 +222,9 @@ def check_exact(family, model, forward=None):
         out = d["out"].reshape(len(g), -1).float()
         rel = (recombined(lay, g, routing) - out).norm() / out.norm()
         assert rel < 1e-5, (family, lay.name, float(rel))
-        assert torch.allclose(routing.rho.sum(1), torch.ones(len(g)), atol=1e-5)
-        assert torch.allclose(routing.probs.sum(1), torch.ones(len(g)), atol=1e-5)
+        ones = torch.ones(len(g), device=g.device)
+        assert torch.allclose(routing.rho.sum(1), ones, atol=1e-5)
+        assert torch.allclose(routing.probs.sum(1), ones, atol=1e-5)
         assert routing.scores.shape[1] == lay.num_experts and routing.active.shape[1] == lay.top_k
 
 
@@ -238,14 +240,19 @@ def check_bf16(family, model, forward=None):
         kth = routing.scores.gather(1, theirs).min(1).values
         outside = routing.scores.scatter(1, theirs, float("-inf")).max(1).values
         ties = kth == outside  # exact ties in the model's own scores: either choice is the model's
-        same = torch.tensor([set(a) == set(b) for a, b in zip(ours.tolist(), theirs.tolist())])
+        same = torch.tensor([set(a) == set(b) for a, b in zip(ours.tolist(), theirs.tolist())], device=ties.device)
         assert bool((same | ties).all()), (family, lay.name)
         assert bool((kth >= outside).all()), (family, lay.name)
 
 
+def check_canary() -> Canary:
+    """The canary of ``check_measure``: four windows of 16 tokens of the tiny vocabulary."""
+    return Canary.from_token_ids(np.arange(400) * 7 % 64, window=16, n_windows=4, seed=0)
+
+
 def check_measure(model, forward=None):
     """``measure`` + ``verify`` pass (the self-check included) and the model compared with itself drifts by 0."""
-    canary = Canary.from_token_ids(np.arange(400) * 7 % 64, window=16, n_windows=4, seed=0)
+    canary = check_canary()
     kw = {} if forward is None else {"forward": forward}
     report = measure(model, canary, config=CFG, **kw)
     assert verify(report.to_dict()) == []

@@ -52,6 +52,7 @@ def test_selection_matches_megatron(name):
         assert bool((torch.isinf(routing.scores).sum(1) == 8 - 8 // spec.num_groups * spec.group_topk).all())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core's router gating needs CUDA")
 def test_full_moe_layer_forward_matches_the_adapter():
 

@@ -1,0 +1,260 @@
+"""``make gpu-check``: on a CUDA machine, the tests marked ``gpu``, the Megatron-Core loop and the GPU benchmark,
+written to one JSON (``benchmarks/gpu_check.json``).
+
+Sections, each in a process of its own with a time limit, the JSON rewritten after each (a section that fails or
+runs out of time is recorded as such, and the next one runs):
+
+- ``tests``: ``pytest -m gpu`` (every supported family on CUDA in fp32 and bf16, Megatron-Core's real MoE layer),
+  outcome and recorded properties per test;
+- ``megatron``: ``examples/megatron_loop.py`` on the GPU (NCCL, the alltoall dispatcher, real router gating),
+  then ``atlas-tracking verify`` on every receipts artifact it wrote;
+- ``realistic``: a Qwen3-MoE-shaped model at d = 2048, 768-wide experts, E = 64, 128, 256, k = 8, 8 routed
+  layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward, peak memory ratio, host synchronisations
+  per gate (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
+  one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out);
+- ``scale``: the DeepSeek-V3 layout at its real width (7168; tiny attention and 16-wide experts, so the layer
+  stack fits): bytes of a baseline and per gate, gate seconds (``benchmarks/scale.py``'s gate sequence).
+
+Example (a CPU machine runs the smoke sizes, to check the script itself):
+    python benchmarks/gpu_check.py --out /tmp/gpu_check.json --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+SECTIONS = ("tests", "megatron", "realistic", "scale")
+LIMITS = {"tests": 240, "megatron": 120, "realistic": 240, "scale": 180}
+"""Seconds each section may run (``--budget`` scales them down proportionally when it is smaller)."""
+
+
+def environment() -> dict[str, Any]:
+    """The machine and the versions a result holds for."""
+    import transformers
+
+    out: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": platform.python_version(), "cuda": torch.version.cuda,
+                           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    try:
+        from megatron.core import package_info
+
+        out["megatron_core"] = package_info.__version__
+    except ImportError:
+        out["megatron_core"] = None
+    return out
+
+
+def junit_results(path: Path) -> dict[str, Any]:
+    """Per test of a pytest junit XML: its outcome and recorded properties, with the counts."""
+    tests: dict[str, Any] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                detail = (node.get("message") or "")[:300]
+                break
+        entry: dict[str, Any] = {"outcome": outcome}
+        if outcome != "passed":
+            entry["detail"] = detail
+        props = case.find("properties")
+        if props is not None:
+            entry.update({p.get("name"): float(p.get("value")) for p in props.iter("property")})
+        tests[f"{case.get('classname')}::{case.get('name')}"] = entry
+    counts = {k: sum(t["outcome"] == k for t in tests.values()) for k in ("passed", "failed", "error", "skipped")}
+    return {"counts": counts, "tests": tests}
+
+
+def section_tests(limit: float, smoke: bool) -> dict[str, Any]:
+    """``pytest -m gpu`` in a subprocess, read back from its junit XML."""
+    with tempfile.TemporaryDirectory() as d:
+        xml = Path(d) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
+               "tests/gpu", "tests/integrations/test_megatron.py"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+        out = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
+               "tail": proc.stdout[-1500:] + proc.stderr[-500:]}
+        if xml.exists():
+            out.update(junit_results(xml))
+            devs = [t["fp32_cuda_vs_cpu_max_deviation"] for t in out["tests"].values()
+                    if "fp32_cuda_vs_cpu_max_deviation" in t]
+            out["fp32_cuda_vs_cpu_max_deviation"] = max(devs) if devs else None
+        return out
+
+
+def section_megatron(limit: float, smoke: bool) -> dict[str, Any]:
+    """The Megatron-Core example loop, then ``atlas-tracking verify`` on its receipts artifacts."""
+    with tempfile.TemporaryDirectory() as d:
+        steps = "20" if smoke else "100"
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "examples/megatron_loop.py", "--steps", steps, "--every", "10" if smoke
+                               else "25", "--out", d], cwd=ROOT, capture_output=True, text=True, timeout=limit)
+        out: dict[str, Any] = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
+                               "tail": proc.stdout[-800:] + proc.stderr[-800:]}
+        records = [json.loads(line) for line in (Path(d) / "gates.jsonl").read_text().splitlines()] \
+            if (Path(d) / "gates.jsonl").exists() else []
+        out["gates"] = [{k: r.get(k) for k in ("step", "status", "gate_seconds")} for r in records]
+        verified = []
+        for artifact in sorted((Path(d) / "receipts").glob("step_*")):
+            v = subprocess.run([sys.executable, "-m", "atlas_tracking.cli", "verify", str(artifact)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+            verified.append({"artifact": artifact.name, "returncode": v.returncode, "said": v.stderr[-300:]})
+        out["verify"] = verified
+        return out
+
+
+def _sync_count(fn) -> int:
+    """Host synchronisations ``fn`` makes on the current CUDA device (``torch.cuda.set_sync_debug_mode``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _train_step_seconds(model, tokens: torch.Tensor, repeats: int) -> float:
+    """Median seconds of a forward + backward over ``tokens`` (the optimizer step left out)."""
+    times = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
+    """Gate against a plain forward at realistic width, one row per expert count."""
+    from atlas_tracking import AtlasConfig, measure
+
+    sys.path.insert(0, str(HERE))
+    import run as bench  # benchmarks/run.py: the CPU benchmark's model, canary and timing
+
+    spec = {**bench.REALISTIC["cuda"], **({"hidden": 256, "moe_intermediate": 64, "experts": (16, 32), "layers": 2,
+                                            "windows": 8} if smoke else {})}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = AtlasConfig.from_dict(bench.QUIET)
+    window = 1024 if not smoke else 128
+    canary = bench.demo_canary(n_windows=spec["windows"], window=window)
+    deadline = time.perf_counter() + limit
+    rows = []
+    for e in spec["experts"]:
+        if time.perf_counter() > deadline - 30:
+            rows.append({"experts": e, "skipped": "out of time"})
+            continue
+        shape = {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": e}
+        model = bench.realistic_model(**shape, device=device)
+        gate = lambda m=model, c=canary: measure(m, c, config=cfg, keep_anchors=False)  # noqa: E731
+        t = bench.interleaved({"plain": lambda m=model: bench.plain_forward(m, canary, 8), "gate": gate}, 3)
+        row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"]}
+        if device == "cuda":
+            row["peak_memory"] = bench.peak_memory(model, canary)
+            row["host_syncs_per_gate"] = _sync_count(gate)
+            row["host_syncs_per_plain_forward"] = _sync_count(lambda m=model: bench.plain_forward(m, canary, 8))
+        if e == spec["experts"][len(spec["experts"]) // 2]:
+            scaling = []
+            for n in (8, 16, 32, spec["windows"]) if not smoke else (2, 4, 8):
+                c = bench.demo_canary(n_windows=n, window=window)
+                tt = bench.interleaved({"plain": lambda m=model, c=c: bench.plain_forward(m, c, 8),
+                                        "gate": lambda m=model, c=c: measure(m, c, config=cfg, keep_anchors=False)}, 2)
+                scaling.append({"tokens": c.n_tokens, **tt, "ratio": tt["gate"] / tt["plain"]})
+            row["canary_tokens_scaling"] = scaling
+            if device == "cuda":
+                model.train()
+                step = _train_step_seconds(model, torch.from_numpy(canary.windows[:8]).to(device), 3)
+                model.eval()
+                row["training_overhead_one_gate_per_1000_steps"] = {
+                    "train_step_seconds": step, "tokens_per_step": 8 * window,
+                    "fraction": t["gate"] / (1000 * step)}
+        rows.append(row)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {**{k: v for k, v in spec.items() if k != "experts"}, "window": window,
+            "canary_tokens": canary.n_tokens, "rows": rows}
+
+
+def section_scale(limit: float, smoke: bool) -> dict[str, Any]:
+    """The DeepSeek-V3 layout at its real width: ``benchmarks/scale.py``'s gate sequence on one point."""
+    sys.path.insert(0, str(HERE))
+    import scale
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    point = scale.Point("DeepSeek-V3", layers=4, width=256, anchors=64, windows=4) if smoke else \
+        scale.Point("DeepSeek-V3", layers=16, width=7168, anchors=1024, windows=32)
+    result = scale.run_point(point, device)
+    gates = result.pop("gates")
+    return {**result, "gates": [{k: g[k] for k in ("phase", "status", "seconds", "device_peak", "bytes")}
+                                for g in gates]}
+
+
+RUNNERS = {"tests": section_tests, "megatron": section_megatron, "realistic": section_realistic,
+           "scale": section_scale}
+
+
+def run_section(name: str, limit: float, smoke: bool) -> dict[str, Any]:
+    """One section in a fresh process, given ``limit`` seconds; its JSON, or what stopped it."""
+    with tempfile.TemporaryDirectory() as d:
+        part = Path(d) / "part.json"
+        cmd = [sys.executable, str(Path(__file__)), "--section", name, "--out", str(part), "--limit", str(limit)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd + (["--smoke"] if smoke else []), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=limit + 60)
+        except subprocess.TimeoutExpired:
+            return {"error": f"out of time after {limit + 60:.0f} s"}
+        if proc.returncode != 0 or not part.exists():
+            return {"error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
+        return json.loads(part.read_text()) | {"section_seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "gpu_check.json"))
+    parser.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--budget", type=float, default=sum(LIMITS.values()), help="seconds for all sections")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script itself, on any machine")
+    parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.section:
+        Path(args.out).write_text(json.dumps(RUNNERS[args.section](args.limit, args.smoke), indent=1))
+        return 0
+    scale_down = min(1.0, args.budget / sum(LIMITS[s] for s in args.only))
+    result: dict[str, Any] = {"environment": environment(), "smoke": args.smoke}
+    for name in args.only:
+        print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
+        result[name] = run_section(name, LIMITS[name] * scale_down, args.smoke)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    failed = [n for n in args.only if "error" in result[n] or result[n].get("returncode", 0) != 0]
+    print(f"gpu-check: wrote {args.out}; sections with a failure: {failed or 'none'}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Every supported transformers family on a CUDA device (marked ``gpu``: ``make gpu-check`` runs these; skipped
+without CUDA).
+
+Per family, the tiny random model of ``atlas_tracking.testing.families``, moved to the GPU:
+- in fp32, the adapter's active sets are the ones the model hands its experts there (CUDA kernels included),
+  ``sum_e w_e u_e(g) + shared(g)`` is the block's output within 1e-5 relative, ``measure`` + ``verify`` pass and a
+  checkpoint compared with itself drifts by exactly 0;
+- the per-layer receipts of the CUDA gate equal the CPU fp32 gate's of the same weights within ``TOLERANCE``
+  (layers whose per-window loads differ, a near-tie routed the other way by the other device's kernels, are
+  counted rather than compared);
+- in bf16 (as transformers loads it) the fp32 selection scores reproduce the model's choice, and ``measure`` +
+  ``verify`` pass with self-drift exactly 0 again.
+The largest deviation and the count of such layers go to the test's junit properties (``make gpu-check``'s JSON).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from atlas_tracking import measure
+from atlas_tracking.testing.families import (
+    CFG,
+    FAMILIES,
+    check_bf16,
+    check_canary,
+    check_exact,
+    check_measure,
+    family_model,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOLERANCE = 1e-3
+"""Largest ``|cuda - cpu| / max(1, |cpu|)`` of a per-layer receipt between a CUDA and a CPU gate, both fp32."""
+
+
+def receipt_deviation(cpu: dict, cuda: dict) -> tuple[float, int]:
+    """The largest scaled deviation over the per-layer receipts of two reports of the same weights and canary,
+    and the number of layers left out because their per-window loads differ.
+
+    Example:
+        >>> a = {"layers": [{"receipts": {"c2": 0.5, "margin_mean": None}}],
+        ...      "per_window": {"layers": [{"load": [[1, 2]]}]}}
+        >>> b = {"layers": [{"receipts": {"c2": 0.5004, "margin_mean": None}}],
+        ...      "per_window": {"layers": [{"load": [[1, 2]]}]}}
+        >>> dev, flipped = receipt_deviation(a, b)
+        >>> round(dev, 6), flipped
+        (0.0004, 0)
+    """
+    worst, flipped = 0.0, 0
+    for la, lb, wa, wb in zip(cpu["layers"], cuda["layers"], cpu["per_window"]["layers"],
+                              cuda["per_window"]["layers"], strict=True):
+        if wa["load"] != wb["load"]:
+            flipped += 1
+            continue
+        for key, va in la["receipts"].items():
+            vb = lb["receipts"][key]
+            if isinstance(va, (int, float)) and not isinstance(va, bool) and vb is not None and math.isfinite(va):
+                worst = max(worst, abs(vb - va) / max(1.0, abs(va)))
+    return worst, flipped
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_on_cuda(family, record_property):
+    model = family_model(family)
+    on_cpu = measure(model, check_canary(), config=CFG).to_dict()
+    model.cuda()
+    check_exact(family, model)
+    check_measure(model)
+    on_cuda = measure(model, check_canary(), config=CFG).to_dict()
+    deviation, flipped = receipt_deviation(on_cpu, on_cuda)
+    record_property("fp32_cuda_vs_cpu_max_deviation", deviation)
+    record_property("fp32_layers_routed_differently", flipped)
+    assert deviation <= TOLERANCE, (family, deviation)
+    assert flipped < len(on_cpu["layers"]) or len(on_cpu["layers"]) == 1, family
+    check_bf16(family, model)  # the model is bf16 from here on
+    check_measure(model)
