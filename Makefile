@@ -40,10 +40,11 @@ bench: $(STAMP)
 # own python3 and its CUDA torch, not .venv (whose pinned torch is the CPU wheel): the project is installed there
 # (editable, without dependencies), after the wheels in .whl/ if there are any, for a machine without a registry.
 GPU_OUT ?= benchmarks/gpu_check.json
+GPU_ARGS ?=
 GPU_WHEELS := transformers tokenizers megatron-core threadpoolctl
 gpu-check:
 	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation $(wildcard .whl/*.whl) -e .
-	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT)
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
 
 # The wheels gpu-check installs on a machine without a registry (Python 3.12, x86-64), at constraints.txt's versions.
 gpu-wheels:

@@ -22,6 +22,7 @@ Example (a CPU machine runs the smoke sizes, to check the script itself):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -39,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 SECTIONS = ("tests", "megatron", "realistic", "scale")
-LIMITS = {"tests": 240, "megatron": 120, "realistic": 240, "scale": 180}
+LIMITS = {"tests": 200, "megatron": 90, "realistic": 180, "scale": 120}
 """Seconds each section may run (``--budget`` scales them down proportionally when it is smaller)."""
 
 
@@ -85,8 +86,9 @@ def section_tests(limit: float, smoke: bool) -> dict[str, Any]:
     """``pytest -m gpu`` in a subprocess, read back from its junit XML."""
     with tempfile.TemporaryDirectory() as d:
         xml = Path(d) / "junit.xml"
+        workers = ["-n", "4"] if importlib.util.find_spec("xdist") and not smoke else []  # the families in parallel
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               "tests/gpu", "tests/integrations/test_megatron.py"]
+               *workers, "tests/gpu", "tests/integrations/test_megatron.py"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
         out = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
