@@ -12,6 +12,7 @@ runs out of time is recorded as such, and the next one runs):
   layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward, peak memory ratio, host synchronisations
   per gate (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
   one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out);
+- ``profile``: ``torch.profiler``'s top operators of one gate at E = 128 (16 x 1024 tokens), device and host time;
 - ``scale``: the DeepSeek-V3 layout at its real width (7168; tiny attention and 16-wide experts, so the layer
   stack fits): bytes of a baseline and per gate, gate seconds (``benchmarks/scale.py``'s gate sequence).
 
@@ -39,8 +40,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-SECTIONS = ("tests", "megatron", "realistic", "scale")
-LIMITS = {"tests": 200, "megatron": 90, "realistic": 180, "scale": 120}
+SECTIONS = ("tests", "megatron", "realistic", "profile", "scale")
+LIMITS = {"tests": 180, "megatron": 90, "realistic": 150, "profile": 60, "scale": 110}
 """Seconds each section may run (``--budget`` scales them down proportionally when it is smaller)."""
 
 
@@ -201,6 +202,43 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
             "canary_tokens": canary.n_tokens, "rows": rows}
 
 
+def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
+    """Where a gate's time goes at realistic width (E = 128): ``torch.profiler``'s top operators of one gate by
+    device time and by host time, against a plain forward's totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from atlas_tracking import AtlasConfig, measure
+
+    sys.path.insert(0, str(HERE))
+    import run as bench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = bench.REALISTIC["cuda"]
+    shape = {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": 128}
+    if smoke:
+        shape |= {"hidden": 256, "moe_intermediate": 64, "experts": 16, "layers": 2}
+    model = bench.realistic_model(**shape, device=device)
+    canary = bench.demo_canary(n_windows=16 if not smoke else 4, window=1024 if not smoke else 128)
+    cfg = AtlasConfig.from_dict(bench.QUIET)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    out: dict[str, Any] = {"experts": 128 if not smoke else 16, "canary_tokens": canary.n_tokens}
+    for name, fn in (("plain", lambda: bench.plain_forward(model, canary, 8)),
+                     ("gate", lambda: measure(model, canary, config=cfg, keep_anchors=False))):
+        fn()
+        with profile(activities=activities) as prof:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "device_time_total" if device == "cuda" else "cpu_time_total"
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:15]
+        out[name] = {"device_ms_total": sum(e.self_device_time_total for e in events) / 1e3 if device == "cuda" else None,
+                     "host_ms_total": sum(e.self_cpu_time_total for e in events) / 1e3,
+                     "top": [{"op": e.key, "calls": e.count, "device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+                              "host_ms": e.self_cpu_time_total / 1e3} for e in top]}
+    return out
+
+
 def section_scale(limit: float, smoke: bool) -> dict[str, Any]:
     """The DeepSeek-V3 layout at its real width: ``benchmarks/scale.py``'s gate sequence on one point."""
     sys.path.insert(0, str(HERE))
@@ -216,7 +254,7 @@ def section_scale(limit: float, smoke: bool) -> dict[str, Any]:
 
 
 RUNNERS = {"tests": section_tests, "megatron": section_megatron, "realistic": section_realistic,
-           "scale": section_scale}
+           "profile": section_profile, "scale": section_scale}
 
 
 def run_section(name: str, limit: float, smoke: bool) -> dict[str, Any]:

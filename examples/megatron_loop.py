@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if torch.cuda.is_available():
+            from atlas_tracking.testing.megatron_te import transformer_engine_gemm_absent
+
             device = "cuda"
+            stack.enter_context(transformer_engine_gemm_absent())  # Megatron-Core 0.16 without Transformer Engine
             for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", RANK="0", WORLD_SIZE="1").items():
                 os.environ.setdefault(key, value)
             torch.distributed.init_process_group("nccl")

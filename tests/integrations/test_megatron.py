@@ -63,6 +63,7 @@ def test_full_moe_layer_forward_matches_the_adapter():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from atlas_tracking.adapters import find_routed_layers
+    from atlas_tracking.testing.megatron_te import transformer_engine_gemm_absent
 
     if not torch.distributed.is_initialized():
         with pytest.MonkeyPatch.context() as env:
@@ -88,7 +89,7 @@ def test_full_moe_layer_forward_matches_the_adapter():
           adapter.router.register_forward_hook(lambda m, i, o: seen.update(r=o)),
           adapter.block.register_forward_hook(lambda m, i, o: seen.update(out=o[0]))]
     x = torch.randn(16, 2, 64, device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), transformer_engine_gemm_absent():
         layer(x, attention_mask=None)
     for h in hs:
         h.remove()
