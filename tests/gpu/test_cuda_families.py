@@ -5,9 +5,10 @@ Per family, the tiny random model of ``atlas_tracking.testing.families``, moved 
 - in fp32, the adapter's active sets are the ones the model hands its experts there (CUDA kernels included),
   ``sum_e w_e u_e(g) + shared(g)`` is the block's output within 1e-5 relative, ``measure`` + ``verify`` pass and a
   checkpoint compared with itself drifts by exactly 0;
-- the per-layer receipts of the CUDA gate equal the CPU fp32 gate's of the same weights within ``TOLERANCE``
-  (layers whose per-window loads differ, a near-tie routed the other way by the other device's kernels, are
-  counted rather than compared);
+- the per-layer receipts of the CUDA gate equal the CPU fp32 gate's of the same weights within ``TOLERANCE``,
+  on a canary without the pad token (layers whose per-window loads differ, a near-tie routed the other way by
+  the other device's kernels, are counted rather than compared, and at most ``ROUTES_MOVED`` of the routes may
+  move);
 - in bf16 (as transformers loads it) the fp32 selection scores reproduce the model's choice, and ``measure`` +
   ``verify`` pass with self-drift exactly 0 again.
 The largest deviation and the count of such layers go to the test's junit properties (``make gpu-check``'s JSON).
@@ -17,16 +18,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from atlas_tracking import measure
+from atlas_tracking import Canary, measure
 from atlas_tracking.testing.families import (
     CFG,
     FAMILIES,
     capture_layers,
     check_bf16,
-    check_canary,
     check_exact,
     check_measure,
     family_model,
@@ -67,6 +68,12 @@ def receipt_deviation(cpu: dict, cuda: dict) -> tuple[float, int]:
     return worst, flipped
 
 
+def compared_canary() -> Canary:
+    """``check_canary``'s windows without the pad token (id 0): its zero embedding gives the first position an
+    all-zero router input, an exact tie that each device's top-k breaks its own way."""
+    return Canary.from_token_ids(np.arange(400) * 7 % 63 + 1, window=16, n_windows=4, seed=0)
+
+
 def first_layer_scores(model, ids: torch.Tensor) -> torch.Tensor:
     """The adapter's selection scores of the first routed layer over ``ids``, on the host, in fp32."""
     layers, seen = capture_layers(model, ids)
@@ -95,13 +102,13 @@ def fp32_matmuls():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_on_cuda(family, record_property, fp32_matmuls):
     model = family_model(family)
-    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(5))
-    on_cpu, scores_cpu = measure(model, check_canary(), config=CFG).to_dict(), first_layer_scores(model, ids)
+    ids = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(5))
+    on_cpu, scores_cpu = measure(model, compared_canary(), config=CFG).to_dict(), first_layer_scores(model, ids)
     model.cuda()
     check_exact(family, model)
     check_measure(model)
-    on_cuda, scores_cuda = measure(model, check_canary(), config=CFG).to_dict(), first_layer_scores(model, ids)
-    finite = torch.isfinite(scores_cpu)
+    on_cuda, scores_cuda = measure(model, compared_canary(), config=CFG).to_dict(), first_layer_scores(model, ids)
+    finite = torch.isfinite(scores_cpu) & torch.isfinite(scores_cuda)
     deviation, flipped = receipt_deviation(on_cpu, on_cuda)
     moved = routes_moved(on_cpu, on_cuda)
     record_property("fp32_first_layer_score_max_abs_diff", float((scores_cuda - scores_cpu)[finite].abs().max()))
