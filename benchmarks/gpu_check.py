@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import runpy
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,6 +45,12 @@ ROOT = HERE.parent
 SECTIONS = ("tests", "megatron", "realistic", "profile", "scale")
 LIMITS = {"tests": 180, "megatron": 90, "realistic": 150, "profile": 60, "scale": 110}
 """Seconds each section may run (``--budget`` scales them down proportionally when it is smaller)."""
+
+
+def sibling(name: str) -> SimpleNamespace:
+    """``benchmarks/<name>.py`` run as a module of its own (``run``: the benchmark's model, canary and timing;
+    ``scale``: the frontier layouts' gate sequence), its globals as attributes."""
+    return SimpleNamespace(**runpy.run_path(str(HERE / f"{name}.py"), run_name=f"gpu_check_{name}"))
 
 
 def environment() -> dict[str, Any]:
@@ -155,8 +163,7 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
     """Gate against a plain forward at realistic width, one row per expert count."""
     from atlas_tracking import AtlasConfig, measure
 
-    sys.path.insert(0, str(HERE))
-    import run as bench  # benchmarks/run.py: the CPU benchmark's model, canary and timing
+    bench = sibling("run")
 
     spec = {**bench.REALISTIC["cuda"], **({"hidden": 256, "moe_intermediate": 64, "experts": (16, 32), "layers": 2,
                                             "windows": 8} if smoke else {})}
@@ -209,8 +216,7 @@ def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
 
     from atlas_tracking import AtlasConfig, measure
 
-    sys.path.insert(0, str(HERE))
-    import run as bench
+    bench = sibling("run")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = bench.REALISTIC["cuda"]
@@ -241,8 +247,7 @@ def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
 
 def section_scale(limit: float, smoke: bool) -> dict[str, Any]:
     """The DeepSeek-V3 layout at its real width: ``benchmarks/scale.py``'s gate sequence on one point."""
-    sys.path.insert(0, str(HERE))
-    import scale
+    scale = sibling("scale")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     point = scale.Point("DeepSeek-V3", layers=4, width=256, anchors=64, windows=4) if smoke else \
