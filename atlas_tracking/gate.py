@@ -47,6 +47,7 @@ from atlas_tracking.artifacts.baseline import Baseline, BaselineError
 from atlas_tracking.artifacts.handoff_reference import HandoffReference, pinned_step
 from atlas_tracking.artifacts.history import append_line, key, new_id, read_history
 from atlas_tracking.artifacts.io import sha256_text, write_atomic
+from atlas_tracking.artifacts.receipts_file import encode
 from atlas_tracking.artifacts.record import gate_metrics, gate_record
 from atlas_tracking.artifacts.retention import Plan, pinned_steps, pruned_note, remove, step_of
 from atlas_tracking.artifacts.run_dir import RunDir, RunDirError
@@ -124,7 +125,7 @@ class AtlasGate:
         self.base_path: str | None = None
         """The post-training base: the first post-training baseline (the handoff), kept across resumes, against
         which every later gate reports its cumulative base damage (docs/receipts.md#base-domain-damage)."""
-        self.param_reference = ParamReference()
+        self.param_reference = ParamReference(self.config.gate.param_drift_budget_bytes)
         """The parameters at the baseline (host copy), for the parameter drift beside the atlas drift."""
         self.run_id: str | None = None
         """The run's identity, constant across resumes (set when the run directory is claimed)."""
@@ -427,9 +428,10 @@ class AtlasGate:
 
     def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]]) -> None:
         if self.keep_receipts:
-            text = report.to_json()
-            write_atomic(self.run_dir.receipts_file(record["step"]), text)
-            record["receipts_sha256"] = sha256_text(text)
+            gate = self.config.gate
+            form, data = encode(report.to_dict(), gate.receipts_format, gate.receipts_binary_above)
+            write_atomic(self.run_dir.receipts_target(record["step"], form), data)
+            record["receipts_sha256"] = sha256_text(data)
         metrics = gate_metrics(record, self.config.gate.log_per_layer)
         self.delivery.gate(record, metrics, self._tracker_step(record), events)
 

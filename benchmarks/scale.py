@@ -15,7 +15,8 @@ CUDA), the gate's time against a plain no-grad forward, the baseline's load time
 Each quantity is fitted by non-negative least squares against layers L, experts E, top-k k, width d, anchors A
 and canary tokens T over the points, and the fit is extrapolated to the real layer counts and widths at the
 default ``receipts.anchors`` and a 64 x 256-token canary. One point at width 1024 is kept out of the fit and
-checked against it. ``python benchmarks/scale.py`` writes ``benchmarks/scale.json`` and prints the RESULTS.md
+checked against it. Receipts artifacts are measured in the binary form (``RECEIPTS_FORMAT``), the one the
+real layouts write. ``python benchmarks/scale.py`` writes ``benchmarks/scale.json`` and prints the RESULTS.md
 tables (``--quick``: fewer points; ``--markdown JSON``: the tables of a written result). Nothing here assumes
 the storage format: the fit reads whatever the code writes.
 """
@@ -72,6 +73,12 @@ LAYOUTS = {
                           topk_group=4),
     "Kimi K2": Layout("deepseek_v3", layers=60, dense=1, experts=384, k=8, width=7168, shared=1),
 }
+
+
+RECEIPTS_FORMAT = "safetensors"
+"""The receipts artifacts' form at every point: the one ``gate.receipts_format: auto`` writes at the real layouts
+(their per-window arrays hold millions of values, far above ``gate.receipts_binary_above``), so that the fit
+extrapolates what a frontier run writes."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,7 @@ def run_point(point: Point, device: str = "cpu", out_dir: str | Path | None = No
     s = {**point.shape(), "anchor_estimate": anchor_estimate(point.shape(), point.config())}
     model = build(point).to(device)
     canary = random_canary(n=s["W"], window=WINDOW, vocab=64)
-    quiet = {"receipts": point.config()}
+    quiet = {"receipts": point.config(), "gate": {"receipts_format": RECEIPTS_FORMAT}}
     pre_cfg, post_cfg = {**quiet, "policy": {"phase": "pretraining"}}, {**quiet, "policy": {"phase": "post_training"}}
     print(f"(l) {point} ...", file=sys.stderr, flush=True)
     _plain_forward(model, canary, 8)                      # kernels and lazy state loaded once

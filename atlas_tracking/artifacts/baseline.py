@@ -5,7 +5,10 @@ the tangent-projected base fields u0 of R0, base boundary membership b0, Gamma0,
 with a bias) and
 ``manifest.json`` (schema version, canary and model fingerprints, config, step, anchor
 positions and their storage form, reference receipts and the per-window arrays used for paired bootstraps,
-and the sha256 of the tensor file). It is loaded without pickle, and checked before use. The storage form (exact
+and the sha256 of the tensor file). It is loaded without pickle, and checked before use: the file's sha256 is
+streamed, and its tensors are then read layer by layer from the memory-mapped file, only the rows of the anchors
+one routed layer's hook needs in one micro-batch at a time (:mod:`atlas_tracking.artifacts.tensor_file`), so a
+gate's host memory does not grow with the routed layers. The storage form (exact
 float32, half precision without g0, or projected u0) is chosen from ``receipts.baseline_budget_bytes``
 (docs/receipts.md#compact-anchors); a baseline without ``anchors.storage`` is exact float32.
 
@@ -38,11 +41,12 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,7 @@ import torch
 
 from atlas_tracking.artifacts.gate_report import GateReport
 from atlas_tracking.artifacts.io import check_header, jsonable, replace_durably, write_atomic
+from atlas_tracking.artifacts.tensor_file import TensorFile, read_rows
 from atlas_tracking.receipts.sketch import sketch_matrix
 from atlas_tracking.schema.artifacts import (
     BASE_TENSORS,
@@ -71,18 +76,33 @@ class BaselineError(ValueError):
     """A baseline is missing, corrupted, of a newer schema, or does not match the model or canary."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+@dataclass(frozen=True)
+class LayerReference:
+    """One routed layer of a baseline as drift reads it: the rows of its anchors on demand, on the model's device,
+    and what a compact form needs beside them (the norm's ``gamma0`` and ``beta0`` to recompute ``g0``, the
+    projection ``sketch`` of the fields)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    layer: int
+    device: torch.device
+    gamma0: torch.Tensor | None = None
+    beta0: torch.Tensor | None = None
+    sketch: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Anchors ``start:end`` of each stored per-anchor tensor (``b0`` as bool) on the device, read now: a
+        baseline loaded from disk holds none of them in between."""
+        keys = [f"{self.layer}.{key}" for key in BASE_TENSORS if f"{self.layer}.{key}" in self.tensors]
+        out = {key.split(".", 1)[1]: t.to(self.device) for key, t in read_rows(self.tensors, keys, start, end).items()}
+        out["b0"] = out["b0"].bool()
+        return out
 
 
 class Baseline:
-    """A reference gate: manifest (plain JSON) plus per-layer anchor tensors."""
+    """A reference gate: manifest (plain JSON) plus per-layer anchor tensors (in memory, or a :class:`TensorFile`
+    read on demand once saved or loaded)."""
 
-    def __init__(self, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]):
+    def __init__(self, manifest: dict[str, Any], tensors: Mapping[str, torch.Tensor]):
         self.manifest = manifest
         self.tensors = tensors
 
@@ -137,8 +157,9 @@ class Baseline:
         tmp.mkdir()  # the process umask applies (a temporary-directory helper would make it owner-only)
         try:
             # written by Python, not by safetensors' own file writer (which makes files owner-only)
-            write_atomic(tmp / BASELINE_TENSORS_FILE, save(self.tensors, metadata={"kind": BASELINE_KIND}))
-            manifest = {**self.manifest, "tensors_sha256": _sha256(tmp / BASELINE_TENSORS_FILE)}
+            write_atomic(tmp / BASELINE_TENSORS_FILE, save(dict(self.tensors), metadata={"kind": BASELINE_KIND}))
+            written, digest = TensorFile.hashed(tmp / BASELINE_TENSORS_FILE, BaselineError)
+            manifest = {**self.manifest, "tensors_sha256": digest}
             write_atomic(tmp / BASELINE_MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))
             if directory.exists():
                 old = directory.with_name(f".{directory.name}.old")
@@ -152,6 +173,8 @@ class Baseline:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self.manifest = manifest
+        # from now on read from the file just written (the same inode in its new directory): no host copy is kept
+        self.tensors = TensorFile(directory / BASELINE_TENSORS_FILE, written.identity, BaselineError)
         return directory
 
     @classmethod
@@ -166,37 +189,37 @@ class Baseline:
         except json.JSONDecodeError as exc:
             raise BaselineError(f"baseline manifest {mpath} is corrupted or truncated: {exc}") from None
         check_header(manifest, BASELINE_KIND, BASELINE_SCHEMA_VERSION, f"baseline {directory}", BaselineError)
-        if _sha256(tpath) != manifest.get("tensors_sha256"):
-            raise BaselineError(f"baseline tensors {tpath} do not match the manifest checksum (corrupted or replaced)")
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         try:
-            tensors = load_file(str(tpath))
+            tensors, digest = TensorFile.hashed(tpath, BaselineError)
+            if digest != manifest.get("tensors_sha256"):
+                raise BaselineError(f"baseline tensors {tpath} do not match the manifest checksum (corrupted or replaced)")
+            base = cls(manifest, tensors)
+            base._check_shapes(tensors)
         except (SafetensorError, OSError) as exc:
             raise BaselineError(f"cannot read baseline tensors {tpath}: {exc}") from None
-        base = cls(manifest, tensors)
-        base._check_shapes()
         return base
 
-    def _check_shapes(self) -> None:
+    def _check_shapes(self, tensors: TensorFile) -> None:
+        """Every tensor the manifest needs, of the shape it needs, from the file's header (no tensor is read)."""
         n_anchor = len(self.manifest["anchors"]["positions"])
         for i, layer in enumerate(self.manifest["model"]["layers"]):
             for key in (*BASE_TENSORS, "gamma0"):
                 if key == "g0" and self.storage is not None and self.storage["form"] != "exact":
                     continue  # recomputed from z0 and gamma0
-                if f"{i}.{key}" not in self.tensors:
+                if f"{i}.{key}" not in tensors:
                     raise BaselineError(f"baseline lacks tensor {i}.{key} for layer {layer['name']}")
-            if self.tensors[f"{i}.z0"].shape != (n_anchor, layer["hidden_size"]):
-                raise BaselineError(f"baseline tensor {i}.z0 has shape {tuple(self.tensors[f'{i}.z0'].shape)}")
+            if tensors.shape(f"{i}.z0") != (n_anchor, layer["hidden_size"]):
+                raise BaselineError(f"baseline tensor {i}.z0 has shape {tensors.shape(f'{i}.z0')}")
         if self.kl_absent is None:
             canary, k = self.manifest["canary"], self.manifest["kl"]["top_k"]
             rows = (canary["n_windows"], canary["window"] - 1)
             for key, shape in (("logp", (*rows, k)), ("index", (*rows, k)), ("log_rest", rows)):
-                t = self.tensors.get(f"kl.{key}")
-                if t is None or tuple(t.shape) != shape:
-                    got = "missing" if t is None else f"shape {tuple(t.shape)}"
-                    raise BaselineError(f"baseline tensor kl.{key} is {got}; the manifest needs shape {shape}")
+                got = tensors.shape(f"kl.{key}") if f"kl.{key}" in tensors else None
+                if got != shape:
+                    shown = "missing" if got is None else f"shape {got}"
+                    raise BaselineError(f"baseline tensor kl.{key} is {shown}; the manifest needs shape {shape}")
 
     # --- use --------------------------------------------------------------------------------
     @property
@@ -244,7 +267,8 @@ class Baseline:
         if vocab_size != base_vocab:
             raise BaselineError(f"vocabulary mismatch: the baseline's log-probabilities are over {base_vocab} tokens, "
                                 f"this model's logits over {vocab_size}; kl_base compares the same vocabulary")
-        return tuple(self.tensors[f"kl.{key}"][start:end] for key in KL_TENSORS)  # type: ignore[return-value]
+        rows = read_rows(self.tensors, [f"kl.{key}" for key in KL_TENSORS], start, end)
+        return tuple(rows.values())  # type: ignore[return-value]
 
     @property
     def storage(self) -> dict[str, Any] | None:
@@ -252,18 +276,19 @@ class Baseline:
         existed, exact float32."""
         return self.manifest["anchors"].get("storage")
 
-    def layer_tensors(self, i: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s anchor tensors on ``device``; a compact form adds what drift needs to read them: the
-        norm's ``gamma0`` (and ``beta0``) to recompute ``g0``, and the projection ``sketch`` of the fields."""
-        out = {key: self.tensors[f"{i}.{key}"].to(device) for key in BASE_TENSORS if f"{i}.{key}" in self.tensors}
-        out["b0"] = out["b0"].bool()
+    def layer_reference(self, i: int, device: torch.device) -> LayerReference:
+        """Layer ``i`` as drift reads it on ``device``: its anchors' rows are read when a micro-batch needs them
+        (:meth:`LayerReference.rows`); a compact form adds the norm's ``gamma0`` (and ``beta0``), ``d`` values
+        each, to recompute ``g0``, and the projection ``sketch`` of the fields."""
+        norm: dict[str, torch.Tensor] = {}
         storage = self.storage
         if storage is not None and storage["form"] != "exact":
-            out.update({key: self.tensors[f"{i}.{key}"].to(device) for key in NORM_TENSORS if f"{i}.{key}" in self.tensors})
+            norm = {key: self.tensors[f"{i}.{key}"].to(device) for key in NORM_TENSORS if f"{i}.{key}" in self.tensors}
+        sketch = None
         if storage is not None and storage["sketch_dim"]:
             width = self.manifest["model"]["layers"][i]["hidden_size"]
-            out["sketch"] = sketch_matrix(storage["sketch_dim"], width, storage["sketch_seed"]).to(device)
-        return out
+            sketch = sketch_matrix(storage["sketch_dim"], width, storage["sketch_seed"]).to(device)
+        return LayerReference(self.tensors, i, device, sketch=sketch, **norm)
 
 
 def _storage(anchors: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

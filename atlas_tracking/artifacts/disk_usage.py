@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import gates_file, read_history
+from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.retention import pinned_steps, step_of, tree_bytes
 from atlas_tracking.artifacts.run_dir import RunDir
 from atlas_tracking.schema.artifacts import EVALUATIONS, GATES, RECORD_FILES
@@ -79,6 +80,6 @@ def disk_usage(path: str | Path) -> dict[str, Any]:
     by_kind["rest"] = total - sum(by_kind.values())
     n = len(history)
     return {"run_dir": str(run.path), "total": total, "bytes": {k: by_kind[k] for k in KINDS},
-            "baselines": baselines, "receipts_files": sum(1 for _ in run.receipts.rglob("*.json")),
+            "baselines": baselines, "receipts_files": sum(1 for suffix in FORMS for _ in run.receipts.rglob(f"*{suffix}")),
             "gates": n, "bytes_per_gate": {"mean": total / n if n else None, "last": _last_gate_bytes(run, history)},
             "retention": retention}

@@ -18,6 +18,7 @@ import numpy as np
 
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.io import check_header, jsonable, write_atomic
+from atlas_tracking.artifacts.receipts_file import FormError, decode, encode, form_of
 from atlas_tracking.artifacts.retention import pruned_note
 from atlas_tracking.receipts.windows import RANGES
 from atlas_tracking.schema.artifacts import (
@@ -83,8 +84,10 @@ class GateReport:
         return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
 
     def save(self, path: str | Path) -> Path:
-        """Write the JSON artifact atomically (a temporary file, then a rename)."""
-        return write_atomic(Path(path), self.to_json())
+        """Write the artifact atomically (a temporary file, then a rename): safetensors when ``path`` ends in
+        ``.safetensors``, else JSON (:mod:`~atlas_tracking.artifacts.receipts_file`)."""
+        data = self.to_json() if form_of(path) == "json" else encode(self.to_dict(), "safetensors", 0)[1]
+        return write_atomic(Path(path), data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateReport:
@@ -106,16 +109,18 @@ class GateReport:
 
 
 def read_artifact(path: str | Path) -> dict[str, Any]:
+    """The document of a receipts artifact in either form (``.json`` or ``.safetensors``), checked: every reader
+    of receipts artifacts reads them here."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         note = pruned_note(path)  # removed by gate.keep_receipts: the record says so (docs/record.md#retention)
         raise ArtifactError(f"cannot read receipts artifact {path}: {note or exc.strerror}") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"receipts artifact {path} is not valid JSON (truncated or corrupted?): {exc}") from None
+        data = decode(raw, path.name)
+    except FormError as exc:
+        raise ArtifactError(f"receipts artifact {path} is {exc}") from None
     check_artifact(data, str(path))
     return data
 
@@ -126,12 +131,12 @@ def check_artifact(data: Any, where: str = "receipts artifact") -> None:
     >>> check_artifact({"kind": "atlas-drift"}, "drift.json")
     Traceback (most recent call last):
     ...
-    atlas_tracking.artifacts.gate_report.ArtifactError: drift.json is a compare artifact (kind 'atlas-drift', written by `atlas-tracking compare`, which prints its drift table; fields: docs/cli.md#compare), not receipts: `report` and `verify` read a receipts JSON (`atlas-tracking measure --out`) or a run directory
+    atlas_tracking.artifacts.gate_report.ArtifactError: drift.json is a compare artifact (kind 'atlas-drift', written by `atlas-tracking compare`, which prints its drift table; fields: docs/cli.md#compare), not receipts: `report` and `verify` read a receipts artifact (`atlas-tracking measure --out`) or a run directory
     """
     if isinstance(data, dict) and data.get("kind") == DRIFT_KIND:
         raise ArtifactError(f"{where} is a compare artifact (kind {DRIFT_KIND!r}, written by `atlas-tracking compare`, "
                             "which prints its drift table; fields: docs/cli.md#compare), not receipts: `report` and "
-                            "`verify` read a receipts JSON (`atlas-tracking measure --out`) or a run directory")
+                            "`verify` read a receipts artifact (`atlas-tracking measure --out`) or a run directory")
     check_header(data, RECEIPTS_KIND, RECEIPTS_SCHEMA_VERSION, where, ArtifactError)
     for key in ("canary", "model", "config", "layers", "summary", "per_window"):
         if key not in data:

@@ -99,5 +99,10 @@ def check_header(data: Any, kind: str, max_version: int, where: str, error: type
         raise error(f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {max_version}")
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def sha256_text(text: str | bytes) -> str:
+    """The sha256 of a text's UTF-8 bytes, or of bytes (what a file holding them hashes to).
+
+    >>> sha256_text("{}") == sha256_text(b"{}")
+    True
+    """
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()

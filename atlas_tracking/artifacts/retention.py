@@ -37,6 +37,7 @@ from typing import Any
 
 from atlas_tracking.artifacts.history import HistoryError, read_lines
 from atlas_tracking.artifacts.io import replace_durably, write_atomic
+from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.schema.artifacts import ABANDONED, GATES, PINS
 
 _STEP = re.compile(r"^step_(\d+)[.](?:json|.+)$")
@@ -118,8 +119,9 @@ class Plan:
         return plan
 
     def add_receipts(self, run: Path, before: int, keep: set[int]) -> None:
-        """``receipts/step_N.json`` with N < ``before``, except the steps in ``keep``."""
-        for path in sorted((run / "receipts").glob("step_*.json")):
+        """``receipts/step_N.json`` and ``receipts/step_N.safetensors`` with N < ``before``, except the steps in
+        ``keep``."""
+        for path in sorted(p for suffix in FORMS for p in (run / "receipts").glob(f"step_*{suffix}")):
             step = step_of(path.name)
             if step is not None and step < before and step not in keep:
                 self.receipts.append(f"receipts/{path.name}")

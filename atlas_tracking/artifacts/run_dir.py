@@ -9,7 +9,8 @@ Layout of a run directory (``out_dir``; the Lightning callback's default is
     alerts.jsonl                the alerts of the history's gates and of its failed gates
     errors.jsonl                gates that could not run, each with its ERROR alert (errors.abandoned.jsonl
                                 after a rewind)
-    receipts/step_XXXXXXXX.json receipts of the history's gates (each record holds their sha256)
+    receipts/step_XXXXXXXX.json receipts of the history's gates (each record holds their sha256; large ones
+                                are step_XXXXXXXX.safetensors, docs/record.md#receipts-artifacts)
     receipts/abandoned/         receipts of abandoned gates (and files no record acknowledged)
     baselines/step_XXXXXXXX.B/  the baselines retention keeps, each in its own folder, never overwritten
     baseline                    link to the current baseline
@@ -62,6 +63,7 @@ from atlas_tracking.artifacts.history import (
 )
 from atlas_tracking.artifacts.io import replace_durably, write_atomic
 from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
+from atlas_tracking.artifacts.receipts_file import FORMS, SUFFIXES
 from atlas_tracking.schema.artifacts import (
     ABANDONED,
     ALERTS,
@@ -82,8 +84,8 @@ class RunDirError(RuntimeError):
     """The run directory holds another run's record and ``gate.existing_record`` is ``refuse``."""
 
 
-def _receipts_name(step: int) -> str:
-    return f"step_{step:08d}.json"
+def _receipts_name(step: int, suffix: str = ".json") -> str:
+    return f"step_{step:08d}{suffix}"
 
 
 def file_sha256(path: Path) -> str | None:
@@ -111,8 +113,26 @@ class RunDir:
     baselines = property(lambda self: self.path / "baselines")
     current_baseline = property(lambda self: self.path / "baseline")
 
-    def receipts_file(self, step: int) -> Path:
-        return self.receipts / _receipts_name(step)
+    def receipts_file(self, step: int, form: str | None = None) -> Path:
+        """The receipts artifact of the gate at ``step``: in ``form`` (``json`` or ``safetensors``), else the form
+        that exists (``receipts/step_N.json`` when none does)."""
+        if form is not None:
+            return self.receipts / _receipts_name(step, SUFFIXES[form])
+        names = [self.receipts / _receipts_name(step, suffix) for suffix in FORMS]
+        return next((path for path in names if path.exists()), names[0])
+
+    def receipts_target(self, step: int, form: str) -> Path:
+        """Where the gate at ``step`` writes its receipts in ``form``. A file of the other form at that step (a
+        gate written before ``gate.receipts_format`` changed) is parked in ``receipts/abandoned/`` first, as a
+        resume parks files no record acknowledges, so that one form per step remains."""
+        for other in SUFFIXES:
+            path = self.receipts_file(step, other)
+            if other != form and path.exists():
+                parked = self.receipts / "abandoned"
+                parked.mkdir(exist_ok=True)
+                sha = (file_sha256(path) or "x")[:12]
+                replace_durably(path, parked / f"step_{step:08d}.unacknowledged.{sha}{path.suffix}")
+        return self.receipts_file(step, form)
 
     def canary_file(self, fingerprint: str) -> Path:
         return self.path / "canaries" / f"{fingerprint[:16]}.npz"
@@ -294,7 +314,8 @@ class RunDir:
             write_lines(self.errors, [e for e in errors if e["step"] <= step])
 
     def _settle_receipts(self, history: list[dict[str, Any]], rest: list[dict[str, Any]]) -> None:
-        """Receipts of the history at ``receipts/step_N.json``; abandoned and unacknowledged ones aside.
+        """Receipts of the history at ``receipts/step_N.json`` (or ``.safetensors``); abandoned and unacknowledged
+        ones aside.
 
         Files are kept by step and branch: ``receipts/step_N.json`` stays where it is while the history's
         gate at step N holds its sha256, even when an abandoned gate at that step holds the same one (a
@@ -307,14 +328,14 @@ class RunDir:
         by_step = {r["step"]: r for r in history}
         for rec in rest:
             sha = rec.get("receipts_sha256")
-            src = self.receipts_file(rec["step"])
             kept = by_step.get(rec["step"])
             if kept is not None and kept.get("receipts_sha256") in (None, sha):
                 continue  # the file is the history's gate's own
-            if sha and file_sha256(src) == sha:
-                parked_dir.mkdir(exist_ok=True)
-                replace_durably(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json")
-        for path in sorted(self.receipts.glob("step_*.json")):
+            for src in (self.receipts_file(rec["step"], form) for form in SUFFIXES):
+                if sha and file_sha256(src) == sha:
+                    parked_dir.mkdir(exist_ok=True)
+                    replace_durably(src, parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}{src.suffix}")
+        for path in sorted(p for suffix in FORMS for p in self.receipts.glob(f"step_*{suffix}")):
             try:
                 step = int(path.stem.split("_", 1)[1])
             except ValueError:
@@ -324,16 +345,17 @@ class RunDir:
             if rec is not None and (rec.get("receipts_sha256") in (None, sha)):
                 continue
             parked_dir.mkdir(exist_ok=True)
-            replace_durably(path, parked_dir / f"step_{step:08d}.unacknowledged.{(sha or 'x')[:12]}.json")
+            replace_durably(path, parked_dir / f"step_{step:08d}.unacknowledged.{(sha or 'x')[:12]}{path.suffix}")
         for rec in history:
             dst = self.receipts_file(rec["step"])
             sha = rec.get("receipts_sha256")
             if dst.exists() or not sha or not parked_dir.is_dir():
                 continue
-            own = parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}.json"
-            for src in [own, *sorted(parked_dir.glob(f"step_{rec['step']:08d}.*.json"))]:
+            own = [parked_dir / f"step_{rec['step']:08d}.{rec.get('branch')}{suffix}" for suffix in FORMS]
+            others = sorted(p for suffix in FORMS for p in parked_dir.glob(f"step_{rec['step']:08d}.*{suffix}"))
+            for src in [*own, *others]:
                 if src.exists() and file_sha256(src) == sha:
-                    replace_durably(src, dst)
+                    replace_durably(src, self.receipts_file(rec["step"], FORMS[src.suffix]))
                     break
 
     # --- tracker ledger ------------------------------------------------------------------------

@@ -16,10 +16,10 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from atlas_tracking.cli import compare, du, gates, judge, measure, pin, protect, replay, report, verify
+from atlas_tracking.cli import compare, du, gates, judge, measure, pin, protect, replay, report, show, verify
 from atlas_tracking.cli.common import EXIT_ERROR, CLIError
 
-COMMANDS = (measure, verify, compare, replay, report, judge, protect, gates, du, pin)
+COMMANDS = (measure, verify, show, compare, replay, report, judge, protect, gates, du, pin)
 """The command modules of this package, in the order ``--help`` lists them."""
 
 PLUGIN_GROUP = "atlas_tracking.commands"

@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--candidate", required=True, help="candidate checkpoint directory")
     p.add_argument("--canary", required=True, help=".npy or .npz canary")
     p.add_argument("--out", required=True, help="drift JSON to write")
-    p.add_argument("--reference", help="receipts JSON of a healthy reference for the handoff margin (default: base)")
+    p.add_argument("--reference", help="receipts artifact (.json or .safetensors) of a healthy reference for the "
+                   "handoff margin (default: base)")
     p.add_argument("--save-baseline", help="also save the base checkpoint's baseline directory here")
     p.add_argument("--no-exact-kl", action="store_true",
                    help="skip the exact full-vocabulary KL (it loads the base checkpoint again beside the candidate)")

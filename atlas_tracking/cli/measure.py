@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--canary", required=True, help=".npy [n_windows, window] token ids, or .npz from Canary.save")
     p.add_argument("--baseline", help="baseline directory (adds drift and paired deltas)")
     p.add_argument("--save-baseline", help="save this gate as a baseline directory")
-    p.add_argument("--out", required=True, help="receipts JSON to write")
+    p.add_argument("--out", required=True, help="receipts artifact to write: .safetensors writes the binary form, "
+                   "any other name JSON")
     p.add_argument("--step", type=int, default=None)
     add_model_options(p)
     p.set_defaults(func=run)

@@ -14,8 +14,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="self-contained HTML report of a run directory or a receipts JSON")
-    p.add_argument("source", help="run directory (with atlas/gates.jsonl) or receipts.json")
+    p = sub.add_parser("report", help="self-contained HTML report of a run directory or a receipts artifact")
+    p.add_argument("source", help="run directory (with atlas/gates.jsonl) or a receipts artifact "
+                   "(.json or .safetensors)")
     p.add_argument("--out", required=True, help="HTML file to write")
     p.add_argument("--png-dir", help="also write the figures as PNG files here")
     p.set_defaults(func=run)

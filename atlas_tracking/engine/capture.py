@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
+from atlas_tracking.artifacts.baseline import LayerReference
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
@@ -149,6 +150,8 @@ class AnchorBatch:
     target: str = ""
     """Drift only: which reference it reads, ``""`` the baseline or ``"base."`` the post-training base."""
     """True: anchors of the baseline being collected; False: the baseline's anchors, for drift."""
+    base: dict[str, torch.Tensor] | None = None
+    """Drift only: the reference's rows of these anchors, read for this micro-batch and dropped with it."""
 
 
 @dataclass
@@ -253,8 +256,8 @@ class LayerCapture:
         config: ReceiptsConfig,
         anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
         collect: bool = False,
-        base: dict[str, torch.Tensor] | None = None,
-        post_base: dict[str, torch.Tensor] | None = None,
+        base: LayerReference | None = None,
+        post_base: LayerReference | None = None,
         storage: AnchorStorage | None = None,
     ):
         self.layer = layer
@@ -496,11 +499,12 @@ class LayerCapture:
                 routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
         for target, ref in drifts:
-            z0 = ref["z0"][a0:a1].float()
+            rows = ref.rows(a0, a1)  # this layer's rows of this micro-batch only: host memory is one layer's at most
+            z0 = rows["z0"].float()
             g = self.layer.gain(z0).to(dtype)  # transport: Gamma_j z0 (+ beta_j)
             with self._model_arithmetic():
                 routing = self.layer.route(g)
-            out.append(AnchorBatch(a0, loc, z0, g, routing, ref["R0"][a0:a1], collect=False, target=target))
+            out.append(AnchorBatch(a0, loc, z0, g, routing, rows["R0"], collect=False, target=target, base=rows))
         return out
 
     def _pair_call(self, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> list[torch.Tensor]:
@@ -686,11 +690,10 @@ class LayerCapture:
         self.collected.append((a.a0, tensors))
 
     def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> None:
-        ref = self.references[a.target]
-        base = {key: ref[key][a.a0 : a.a0 + len(a.loc)] for key in BASE_TENSORS if key in ref}
+        ref, base = self.references[a.target], a.base
         u0 = base["u0"]
-        if "sketch" in ref:  # projected exactly as the base fields were
-            u1 = project(u1, ref["sketch"])
+        if ref.sketch is not None:  # projected exactly as the base fields were
+            u1 = project(u1, ref.sketch)
         u1 = u1.to(u0.dtype).float()  # compare at the baseline's storage precision
         changed = active_set_change(base["R0"], a.routing.active)
         fields = self.carries.to(u1.device)[base["R0"].long()] if self.layer.zero_experts else None
@@ -710,15 +713,15 @@ class LayerCapture:
         sums.index_add_(1, win, values)
         totals.index_add_(1, win, counts)
 
-    def _gate_inputs(self, base: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], g2: torch.Tensor,
+    def _gate_inputs(self, base: dict[str, torch.Tensor], ref: LayerReference, g2: torch.Tensor,
                      x2: torch.Tensor, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate inputs ``coord_drift`` compares: the stored ``g0`` and the forward's own, or, where a compact
         baseline keeps no ``g0``, ``gamma0 z0 (+ beta0)`` and the same gain of the state rounded as ``z0`` was."""
         if "g0" in base:
             return base["g0"], g2[loc]
         z1 = self.layer.normalize(x2.index_select(0, loc)).to(base["z0"].dtype).float()
-        g0 = ref["gamma0"] * base["z0"].float()
-        return (g0 if "beta0" not in ref else g0 + ref["beta0"]), self.layer.gain(z1)
+        g0 = ref.gamma0 * base["z0"].float()
+        return (g0 if ref.beta0 is None else g0 + ref.beta0), self.layer.gain(z1)
 
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:

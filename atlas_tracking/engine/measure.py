@@ -189,8 +189,8 @@ def measure_partial(
     storage = anchor_storage(rcfg, layers, anchors) if collect else None  # a ConfigError before any forward
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
-        base = baseline.layer_tensors(i, device) if baseline is not None else None
-        since = post_base.layer_tensors(i, device) if post_base is not None and same_anchors else None
+        base = baseline.layer_reference(i, device) if baseline is not None else None
+        since = post_base.layer_reference(i, device) if post_base is not None and same_anchors else None
         captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base, since, storage))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)

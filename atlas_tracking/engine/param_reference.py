@@ -3,9 +3,11 @@
 :class:`ParamReference` copies each parameter this process holds to host (CPU) memory when the atlas
 baseline is taken (:meth:`~ParamReference.take`) and, at a later gate, sums per module group how far the
 parameters moved (:meth:`~ParamReference.measure`, :mod:`atlas_tracking.receipts.param_drift`). The copy
-costs host memory equal to the local parameters' size in their own dtype, per process (a process keeps
-only what it holds: its ZeRO-3 partition, its FSDP2 shard, its expert-parallel experts); nothing is written
-to disk. A run resumed from a checkpoint starts a new atlas baseline, and the parameter reference with it.
+costs host memory equal to the local parameters' size in their own dtype, one copy per shard: a process keeps
+only what it holds (its ZeRO-3 partition, its FSDP2 shard, its expert-parallel experts), and parameters that
+are the same on every process (data-parallel replicas) only the first process keeps. Above ``budget_bytes``
+per process every n-th element is kept and the drift is an estimate (``form``); nothing is written to disk.
+A run resumed from a checkpoint starts a new atlas baseline, and the parameter reference with it.
 
 Groups (:func:`param_groups`): the parameters of the routed layers' own ``router`` and ``experts`` modules,
 as the family adapters found them (so a custom model's router is classified by its adapter, whatever its
@@ -42,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -171,16 +174,71 @@ def local_part(p: torch.Tensor, expert_group: Any = None) -> tuple[torch.Tensor,
 class _Kept:
     group: str
     reduce: tuple[Any, ...]
-    ref: torch.Tensor
+    ref: torch.Tensor | None
+    """The kept elements on the host (every ``stride``-th from ``offset``); None: a replica another process keeps."""
+    numel: int
+    stride: int = 1
+    offset: int = 0
+
+    def sums(self, local: torch.Tensor) -> np.ndarray:
+        """This part's four sums against the reference: exact, or scaled up from the kept elements."""
+        if self.ref is None:
+            return np.zeros(4)
+        if self.stride == 1:
+            return tensor_sums(local, self.ref)
+        sample = tensor_sums(local.reshape(-1)[self.offset::self.stride], self.ref)
+        scale = self.numel / max(self.ref.numel(), 1)
+        return np.array([sample[0] * scale, sample[1] * scale, round(sample[2] * scale), self.numel])
+
+
+def _keep(local: torch.Tensor, stride: int, seed: str) -> tuple[torch.Tensor, int]:
+    """The host copy of ``local`` (every ``stride``-th element from an offset seeded by ``seed``) and the offset."""
+    if stride == 1:
+        return local.to("cpu", copy=True), 0
+    offset = zlib.crc32(seed.encode()) % min(stride, max(local.numel(), 1))
+    return local.reshape(-1)[offset::stride].to("cpu", copy=True), offset
+
+
+def _replicas_and_bytes(parts: dict[str, tuple[torch.Tensor, tuple[Any, ...]]],
+                        tp: set[str]) -> tuple[bool, int]:
+    """Whether the plain (not sharded, not tensor-parallel) parameters are the same on every process (names,
+    sizes, sum and sum of squares; then only the first process keeps them), and the most bytes a process will
+    keep (one collective on the default group; ``(False, local bytes)`` in a single process)."""
+    local_bytes = sum(t.numel() * t.element_size() for t, _ in parts.values())
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() == 1:
+        return False, local_bytes
+    plain = [(n, t) for n, (t, reduce) in parts.items() if not reduce and n not in tp]
+    mine = torch.tensor([float(len(plain)), float(sum(t.numel() for _, t in plain)),
+                         float(zlib.crc32("\n".join(n for n, _ in plain).encode())),
+                         sum(float(t.double().sum()) for _, t in plain),
+                         sum(float(t.double().square().sum()) for _, t in plain),
+                         float(local_bytes), float(sum(t.numel() * t.element_size() for _, t in plain))],
+                        dtype=torch.float64)
+    backend = str(torch.distributed.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    everyone = [torch.zeros_like(mine, device=device) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, mine.to(device))
+    rows = torch.stack(everyone).cpu()
+    replicas = bool(plain) and bool((rows[:, :5] == rows[0, :5]).all())
+    others = torch.arange(len(rows)) != 0
+    kept = rows[:, 5] - rows[:, 6] * (others & replicas)
+    return replicas, int(kept.max())
 
 
 class ParamReference:
     """A host copy of the parameters this process holds, taken at the atlas baseline (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        """The most host bytes one process's copy may take (None: no bound); beyond it every ``stride``-th
+        element is kept and the drift is an estimate (:attr:`form`)."""
         self.kept: dict[str, _Kept] = {}
         self.step: int | None = None
         """The step of the baseline the reference was taken at."""
+        self.form: dict[str, Any] = {}
+        """How the reference is kept: ``form`` (``exact`` or ``sampled``), ``stride``, ``replicas_kept_once``,
+        ``host_bytes`` (this process), ``reason`` (why sampled; None when exact)."""
         self.seconds = 0.0
         """Wall time of the last :meth:`measure` (kept out of the record: each process has its own)."""
 
@@ -191,25 +249,40 @@ class ParamReference:
     @property
     def host_bytes(self) -> int:
         """Host memory the reference holds on this process."""
-        return sum(k.ref.numel() * k.ref.element_size() for k in self.kept.values())
+        return sum(k.ref.numel() * k.ref.element_size() for k in self.kept.values() if k.ref is not None)
 
     def clear(self) -> None:
-        self.kept, self.step = {}, None
+        self.kept, self.step, self.form = {}, None, {}
 
     def take(self, model: nn.Module, layers: Iterable[RoutedLayer] = (), step: int | None = None) -> None:
-        """Copy every parameter's local part to host memory, with its group."""
+        """Copy every parameter's local part to host memory, with its group (collective in a distributed run:
+        the processes compare their replicated parameters, which then only the first one keeps)."""
         layers = list(layers)
         groups = param_groups(model, layers)
         experts = _expert_groups(layers)
+        params = {name: p for name, _, p in named_unique_parameters(model)}
+        parts = {name: local_part(p, experts.get(id(p))) for name, p in params.items()}
+        tp = {name for name, p in params.items() if getattr(p, "tensor_model_parallel", False)}
+        replicas, most = _replicas_and_bytes(parts, tp)
+        stride = 1 if self.budget_bytes is None or most <= self.budget_bytes else -(-most // self.budget_bytes)
+        first = not replicas or torch.distributed.get_rank() == 0
         kept = {}
-        for name, _, p in named_unique_parameters(model):
-            local, reduce = local_part(p, experts.get(id(p)))
-            kept[name] = _Kept(groups[name], reduce, local.to("cpu", copy=True))
+        for name, (local, reduce) in parts.items():
+            shared = replicas and not reduce and name not in tp
+            ref, offset = _keep(local, stride, name) if first or not shared else (None, 0)
+            kept[name] = _Kept(groups[name], (None,) if shared else reduce, ref, local.numel(), stride, offset)
         self.kept, self.step = kept, step
+        self.form = {"form": "exact" if stride == 1 else "sampled", "stride": stride,
+                     "replicas_kept_once": replicas, "host_bytes": self.host_bytes,
+                     "reason": None if stride == 1 else (
+                         f"the parameters a process holds take up to {most} bytes, more than "
+                         f"gate.param_drift_budget_bytes {self.budget_bytes}: every {stride}-th element of each "
+                         "tensor is kept and the drift is estimated from them (docs/receipts.md#parameter-drift)")}
 
     def measure(self, model: nn.Module) -> dict[str, Any]:
         """The parameter drift of ``model`` against the reference: per group and total (collective when any
-        parameter is sharded). Raises :class:`ParamDriftError` when the parameters no longer match it."""
+        parameter is sharded or replicated parameters are kept once). Raises :class:`ParamDriftError` when the
+        parameters no longer match it."""
         t0 = time.perf_counter()
         params = {name: p for name, _, p in named_unique_parameters(model)}
         if set(params) != set(self.kept):
@@ -221,17 +294,18 @@ class ParamReference:
         buckets: dict[tuple[Any, ...], np.ndarray] = {}
         for name, kept in self.kept.items():
             local, _ = local_part(params[name])
-            if local.numel() != kept.ref.numel():
+            if local.numel() != kept.numel:
                 raise ParamDriftError(f"parameter {name} holds {local.numel()} elements here, its reference "
-                                      f"{kept.ref.numel()} (taken at step {self.step})")
+                                      f"{kept.numel} (taken at step {self.step})")
             sums = buckets.setdefault(kept.reduce, np.zeros((len(GROUPS), 4)))
-            sums[GROUPS.index(kept.group)] += tensor_sums(local, kept.ref)
+            sums[GROUPS.index(kept.group)] += kept.sums(local)
         total = np.zeros((len(GROUPS), 4))
         for reduce, sums in buckets.items():
             total += _all_reduce(sums, reduce)
         present = {g for g in (k.group for k in self.kept.values())}
         out = summarize({g: total[i] for i, g in enumerate(GROUPS) if g in present})
         out["reference_step"] = self.step
+        out["reference"] = {k: v for k, v in self.form.items() if k != "host_bytes"}
         self.seconds = time.perf_counter() - t0
         return out
 

@@ -139,7 +139,7 @@ class LifecycleConfig:
     mu3: float = 0.1
     tau: float = 0.25
     handoff_reference: str | None = None
-    """A declared healthy reference for the handoff margin: a receipts artifact (``receipts/step_N.json``) or a
+    """A declared healthy reference for the handoff margin: a receipts artifact (``receipts/step_N.json`` or ``.safetensors``) or a
     baseline directory of a healthy checkpoint on the same routed layers and canary (an earlier model of the
     family), or "gate:N", this run's own gate at step N (pinned: read once that gate has run). Handoff
     readiness needs it; without it readiness rests on
@@ -282,6 +282,10 @@ class GateConfig:
     param_drift: bool = True
     """Parameter drift per module group against the baseline's parameters (a host copy of the parameters
     each process holds; see :mod:`atlas_tracking.engine.param_reference`). False: no copy, no ``param_drift``."""
+    param_drift_budget_bytes: int | None = 8 << 30
+    """The most host bytes one process's parameter-drift reference may take (8 GiB; None: no bound). Beyond it
+    every n-th element of each tensor is kept and the drift is an estimate, which the record says
+    (``param_drift.reference``; docs/receipts.md#parameter-drift)."""
     existing_record: Literal["new_dir", "refuse"] = "new_dir"
     """A fresh run whose out_dir holds another run's record: write to a new directory beside it
     (``<out_dir>-2``, ...; a warning names it) or refuse with an error. Never appended to."""
@@ -298,10 +302,22 @@ class GateConfig:
     keep_receipts: int | None = None
     """Retention of receipts artifacts: keep those of the history's last N gates (None: every one).
     ``gates.jsonl`` is never pruned, and each record keeps its artifact's sha256."""
+    receipts_format: Literal["auto", "json", "safetensors"] = "auto"
+    """The form of each gate's receipts artifact: ``json`` (``receipts/step_N.json``), ``safetensors``
+    (``receipts/step_N.safetensors``, the per-window arrays as tensors, the same document) or ``auto``: JSON
+    unless the per-window arrays hold more than ``receipts_binary_above`` values (docs/record.md#receipts-artifacts)."""
+    receipts_binary_above: int = 100_000
+    """With ``receipts_format: auto``, the number of per-window array values above which a gate writes the
+    safetensors form (100,000: 16 routed layers x 128 experts x 32 canary windows and larger go binary)."""
 
     def _validate(self, prefix: str) -> None:
+        if self.receipts_binary_above < 0:
+            raise ConfigError(f"'{prefix}receipts_binary_above' must be >= 0, got {self.receipts_binary_above!r}")
         if self.keep_baselines < 1:
             raise ConfigError(f"'{prefix}keep_baselines' must be >= 1, got {self.keep_baselines!r}")
+        if self.param_drift_budget_bytes is not None and self.param_drift_budget_bytes < 1:
+            raise ConfigError(f"'{prefix}param_drift_budget_bytes' must be >= 1 or null, got "
+                              f"{self.param_drift_budget_bytes!r}")
         if self.keep_receipts is not None and self.keep_receipts < 1:
             raise ConfigError(f"'{prefix}keep_receipts' must be >= 1 or null, got {self.keep_receipts!r}")
         if any(s < 0 for s in self.pin_baselines):

@@ -428,7 +428,8 @@ class Gate(TypedDict, total=False):
     gate_seconds: Annotated[float, Metric()]
     """The gate's own wall time: what monitoring costs."""
     receipts_sha256: str
-    """sha256 of ``receipts/step_N.json`` (rank zero adds it when it writes the receipts)."""
+    """sha256 of the bytes of ``receipts/step_N.json`` or ``receipts/step_N.safetensors`` (rank zero adds it when it
+    writes the receipts)."""
     rebuilt: str
     """Set on a gate whose line a crash cut short, rebuilt at the next resume from its whole receipts file: what
     the line still held and where the rest came from (its decision is re-derived by ``atlas-tracking replay``)."""

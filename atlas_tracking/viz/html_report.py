@@ -8,7 +8,7 @@ from the baseline to the last gate, the last gate's layers x experts load heatma
 (docs/receipts.md#per-expert-load), per-layer C2 of the last gate grouped early / protected / late (figure 5;
 the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
 baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
-gate. For a receipts JSON: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
+gate. For a receipts artifact: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
 """
 
@@ -24,6 +24,7 @@ from atlas_tracking.artifacts.expert_text import expert_lines, layer_label
 from atlas_tracking.artifacts.gate_report import read_artifact
 from atlas_tracking.artifacts.history import gates_file, read_history, read_lines
 from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.param_drift import drift_line
 from atlas_tracking.schema.artifacts import ERRORS
@@ -269,9 +270,10 @@ def _page(title: str, body: str) -> str:
 
 
 def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None) -> Path:
-    """Write the HTML report for a run directory or a receipts JSON (and the PNGs when asked)."""
+    """Write the HTML report for a run directory or a receipts artifact (``.json`` or ``.safetensors``; and the
+    PNGs when asked)."""
     source = Path(source)
-    if source.suffix == ".json":  # a receipts artifact, also one that is gone (its error says why)
+    if source.suffix in FORMS:  # a receipts artifact in either form, also one that is gone (its error says why)
         page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
     else:
         errors = gates_file(source).with_name(ERRORS)

@@ -132,7 +132,17 @@ def _ddp_worker(rank: int, world: int) -> dict:
     ref = ParamReference()
     ref.take(ddp, find_routed_layers(model))
     pm.fill_(model, lambda name: name, perturb=0.05)
-    return ref.measure(ddp)
+    return ref.measure(ddp) | {"host_bytes": ref.host_bytes}
+
+
+def _different_worker(rank: int, world: int) -> dict:
+    """Plain parameters that differ between the processes (no data parallelism): each process keeps its own."""
+    model = pm.qwen3_moe()
+    pm.fill_(model, lambda name: f"{name}.{rank}")
+    ref = ParamReference()
+    ref.take(model, find_routed_layers(model))
+    pm.fill_(model, lambda name: f"{name}.{rank}", perturb=0.05)
+    return ref.measure(model) | {"host_bytes": ref.host_bytes}
 
 
 def _fsdp2_worker(rank: int, world: int) -> dict:
@@ -176,10 +186,22 @@ def _single_process() -> dict:
 
 
 @pytest.mark.slow
-def test_ddp_param_drift_equals_one_process_exactly():
+def test_ddp_param_drift_equals_one_process_exactly_with_one_copy_of_the_replicas():
     one = _figures(_single_process())
     workers = run_workers(_ddp_worker, 2)
     assert [_figures(w) for w in workers] == [one, one]
+    size = sum(p.numel() * p.element_size() for p in pm.qwen3_moe().parameters())
+    assert [w["host_bytes"] for w in workers] == [size, 0]  # the replicas are kept by the first process alone
+    assert all(w["reference"]["replicas_kept_once"] and w["reference"]["form"] == "exact" for w in workers)
+
+
+@pytest.mark.slow
+def test_processes_whose_parameters_differ_each_keep_their_own():
+    workers = run_workers(_different_worker, 2)
+    size = sum(p.numel() * p.element_size() for p in pm.qwen3_moe().parameters())
+    assert [w["host_bytes"] for w in workers] == [size, size]
+    assert not any(w["reference"]["replicas_kept_once"] for w in workers)
+    assert _figures(workers[0]) != _figures(workers[1])  # each process's own parameters, summed on it alone
 
 
 @pytest.mark.slow
@@ -197,3 +219,48 @@ def test_sharded_parameters_add_up_to_one_process(layout):
         for g, (dist, moved, count) in _figures(one).items():
             assert got[g][1:] == (moved, count)
             assert got[g][0] == pytest.approx(dist, rel=1e-9)
+
+
+
+
+def test_a_budget_keeps_every_nth_element_and_estimates_the_drift():
+    model = pm.qwen3_moe()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    exact, sampled = ParamReference(), ParamReference(budget_bytes=size // 8)
+    exact.take(model, find_routed_layers(model))
+    sampled.take(model, find_routed_layers(model))
+    assert exact.form["form"] == "exact" and exact.form["reason"] is None
+    assert sampled.form["form"] == "sampled" and sampled.form["stride"] == 8
+    assert "gate.param_drift_budget_bytes" in sampled.form["reason"]
+    assert sampled.host_bytes <= size // 8 + 4 * len(list(model.parameters()))
+    still = sampled.measure(model)  # nothing moved: exactly 0, sampled or not
+    assert still["total"]["moved"] == 0 and still["total"]["relative_distance"] == 0.0
+    assert still["reference"]["form"] == "sampled"
+    groups = param_groups(model, find_routed_layers(model))
+    with torch.no_grad():
+        for i, (name, _, p) in enumerate(named_unique_parameters(model)):
+            if groups[name] in ("experts", "attention"):
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    truth, estimate = exact.measure(model), sampled.measure(model)
+    for group in ("experts", "attention"):
+        t, e = truth["groups"][group], estimate["groups"][group]
+        kept = sum(k.ref.numel() for k in sampled.kept.values() if k.group == group)
+        assert e["count"] == t["count"] and kept <= t["count"] // 8 + len(sampled.kept)
+        # an estimate from `kept` elements: within 4 / sqrt(kept) relative (the stated 1 / sqrt scaling)
+        assert e["relative_distance"] == pytest.approx(t["relative_distance"], rel=4 / kept ** 0.5)
+        assert e["moved"] == pytest.approx(t["moved"], rel=4 / kept ** 0.5)
+    for group in ("router", "norms", "embeddings"):  # frozen groups: exactly 0 from the kept elements too
+        assert estimate["groups"][group]["moved"] == 0 and estimate["groups"][group]["relative_distance"] == 0.0
+
+
+def test_the_gate_records_the_reference_form_from_its_budget(tmp_path):
+    model = pm.qwen3_moe()
+    gate = AtlasGate(model, pm.canary(4), {"receipts": {"progress": False},
+                                           "gate": {"param_drift_budget_bytes": 1000}}, out_dir=tmp_path)
+    gate.run(0)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.1)
+    rec = gate.run(1)
+    gate.finish()
+    ref = rec["param_drift"]["reference"]
+    assert ref["form"] == "sampled" and ref["stride"] > 1 and "1000" in ref["reason"]

@@ -1,0 +1,122 @@
+"""A checked safetensors file read key by key from a memory map, never whole (docs/record.md#baselines-on-disk).
+
+A baseline's anchor tensors take up to ``receipts.baseline_budget_bytes`` (1 GB by default). :meth:`TensorFile.hashed`
+streams the file's sha256 in :data:`BLOCK_BYTES` blocks for the caller to check, and the file then reads only the
+rows a caller asks for: each read opens the file memory-mapped (``safetensors.safe_open``), copies those rows out
+and closes it again, so no page of the file stays mapped between reads. A read first checks that the path still
+names the file that was checked (device, inode, size, modification time); a file replaced or removed since is
+an error, never other tensors read silently.
+
+>>> import tempfile, torch
+>>> from safetensors.torch import save_file
+>>> path = tempfile.mkdtemp() + "/t.safetensors"
+>>> save_file({"a": torch.arange(6.0).view(3, 2), "b": torch.ones(3, dtype=torch.uint8)}, path)
+>>> f, digest = TensorFile.hashed(path, ValueError)
+>>> digest == hashlib.sha256(open(path, "rb").read()).hexdigest(), sorted(f), f.shape("a"), "c" in f
+(True, ['a', 'b'], (3, 2), False)
+>>> f.rows(["a", "b"], 1, 3)["a"].tolist(), read_rows({"a": torch.arange(4)}, ["a"], 1, 3)["a"].tolist()
+([[2.0, 3.0], [4.0, 5.0]], [1, 2])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+BLOCK_BYTES = 8 << 20
+"""The block size a file's sha256 is streamed in: its memory is this, whatever the file's size."""
+
+
+def stream_sha256(fh: BinaryIO) -> str:
+    """The sha256 of an open binary file from its current position to its end, read in :data:`BLOCK_BYTES` blocks.
+
+    >>> import io
+    >>> stream_sha256(io.BytesIO(b"abc")) == hashlib.sha256(b"abc").hexdigest()
+    True
+    """
+    h = hashlib.sha256()
+    for block in iter(lambda: fh.read(BLOCK_BYTES), b""):
+        h.update(block)
+    return h.hexdigest()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What names one version of a file: device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """The tensors of one safetensors file, read on demand: ``f[key]`` reads one whole tensor, :meth:`rows` a row
+    range of several; nothing is kept between reads."""
+
+    def __init__(self, path: str | Path, identity: tuple[int, int, int, int], error: type[Exception]):
+        self.path = Path(path)
+        self.identity = identity
+        """:func:`_identity` of the file when it was checked."""
+        self.error = error
+        """The error a read raises when the path no longer names the checked file."""
+
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the file's header (read at the first use, after the caller's checksum)."""
+        with self._open() as f:
+            names = f.keys()
+            return {key: tuple(f.get_slice(key).get_shape()) for key in names}
+
+    @classmethod
+    def hashed(cls, path: str | Path, error: type[Exception]) -> tuple[TensorFile, str]:
+        """The file at ``path`` and the sha256 of the very version read (compare it to the expected one)."""
+        with open(path, "rb") as fh:
+            identity = _identity(os.fstat(fh.fileno()))
+            digest = stream_sha256(fh)
+        return cls(path, identity, error), digest
+
+    def _open(self) -> Any:
+        """The file memory-mapped for one read, after checking it is still the version checked."""
+        from safetensors import safe_open
+
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self.identity:
+            raise self.error(f"tensor file {self.path} was replaced or removed after it was checked; "
+                             "load it again to read the file there now")
+        return safe_open(str(self.path), framework="pt")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor ``key``, from the file's header (no data read)."""
+        return self._shapes[key]
+
+    def rows(self, keys: list[str], start: int, end: int) -> dict[str, torch.Tensor]:
+        """Rows ``start:end`` (along the first dimension) of each tensor in ``keys``, in one opening of the file."""
+        with self._open() as f:
+            return {key: f.get_slice(key)[start:end] for key in keys}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._shapes:
+            raise KeyError(key)
+        with self._open() as f:
+            return f.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def read_rows(tensors: Mapping[str, torch.Tensor], keys: list[str], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Rows ``start:end`` of each tensor in ``keys``: read from the file for a :class:`TensorFile`, sliced otherwise."""
+    if isinstance(tensors, TensorFile):
+        return tensors.rows(keys, start, end)
+    return {key: tensors[key][start:end] for key in keys}
