@@ -41,7 +41,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -64,6 +63,7 @@ from atlas_tracking.artifacts.history import (
 from atlas_tracking.artifacts.io import replace_durably, write_atomic
 from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
 from atlas_tracking.artifacts.receipts_file import FORMS, SUFFIXES
+from atlas_tracking.artifacts.tensor_file import stream_sha256
 from atlas_tracking.schema.artifacts import (
     ABANDONED,
     ALERTS,
@@ -91,7 +91,8 @@ def _receipts_name(step: int, suffix: str = ".json") -> str:
 def file_sha256(path: Path) -> str | None:
     """The sha256 of a file's bytes, or None when it cannot be read (a receipts file a record points to)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        with path.open("rb") as fh:
+            return stream_sha256(fh)
     except OSError:
         return None
 
