@@ -10,7 +10,7 @@ runs out of time is recorded as such, and the next one runs):
   then ``atlas-tracking verify`` on every receipts artifact it wrote;
 - ``realistic``: a Qwen3-MoE-shaped model at d = 2048, 768-wide experts, E = 64, 128, 256, k = 8, 8 routed
   layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward, peak memory ratio, host synchronisations
-  per gate (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
+  per gate and the source lines that make them (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
   one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out);
 - ``profile``: ``torch.profiler``'s top operators of one gate at E = 128 (16 x 1024 tokens), device and host time;
 - ``scale``: the DeepSeek-V3 layout at its real width (7168; tiny attention and 16-wide experts, so the layer
@@ -131,8 +131,10 @@ def section_megatron(limit: float, smoke: bool) -> dict[str, Any]:
         return out
 
 
-def _sync_count(fn) -> int:
-    """Host synchronisations ``fn`` makes on the current CUDA device (``torch.cuda.set_sync_debug_mode``)."""
+def _syncs(fn) -> tuple[int, list[tuple[str, int]]]:
+    """Host synchronisations ``fn`` makes on the current CUDA device (``torch.cuda.set_sync_debug_mode``), and
+    the ten source lines that make the most of them (``file:line``, count)."""
+    import collections
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -142,7 +144,9 @@ def _sync_count(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return len(syncs), where.most_common(10)
 
 
 def _train_step_seconds(model, tokens: torch.Tensor, repeats: int) -> float:
@@ -184,8 +188,8 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
         row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"]}
         if device == "cuda":
             row["peak_memory"] = bench.peak_memory(model, canary)
-            row["host_syncs_per_gate"] = _sync_count(gate)
-            row["host_syncs_per_plain_forward"] = _sync_count(lambda m=model: bench.plain_forward(m, canary, 8))
+            row["host_syncs_per_gate"], row["host_syncs_where"] = _syncs(gate)
+            row["host_syncs_per_plain_forward"], _ = _syncs(lambda m=model: bench.plain_forward(m, canary, 8))
         if e == spec["experts"][len(spec["experts"]) // 2]:
             scaling = []
             for n in (8, 16, 32, spec["windows"]) if not smoke else (2, 4, 8):
