@@ -163,17 +163,30 @@ def _train_step_seconds(model, tokens: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
+SMOKE = {"hidden": 256, "moe_intermediate": 64, "experts": (16, 32), "layers": 2, "windows": 8, "window": 128}
+"""The realistic model and canary at smoke sizes (``--smoke``)."""
+
+
+def realistic_spec(bench: SimpleNamespace, smoke: bool) -> dict[str, Any]:
+    """``benchmarks/run.py``'s realistic GPU configuration with 1024-token windows, or its smoke sizes."""
+    return {**bench.REALISTIC["cuda"], "window": 1024, **(SMOKE if smoke else {})}
+
+
+def model_shape(spec: dict[str, Any], experts: int) -> dict[str, Any]:
+    """The ``realistic_model`` arguments of ``spec`` with ``experts`` experts."""
+    return {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": experts}
+
+
 def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
     """Gate against a plain forward at realistic width, one row per expert count."""
     from atlas_tracking import AtlasConfig, measure
 
     bench = sibling("run")
 
-    spec = {**bench.REALISTIC["cuda"], **({"hidden": 256, "moe_intermediate": 64, "experts": (16, 32), "layers": 2,
-                                            "windows": 8} if smoke else {})}
+    spec = realistic_spec(bench, smoke)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = AtlasConfig.from_dict(bench.QUIET)
-    window = 1024 if not smoke else 128
+    window = spec["window"]
     canary = bench.demo_canary(n_windows=spec["windows"], window=window)
     deadline = time.perf_counter() + limit
     rows = []
@@ -181,8 +194,7 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
         if time.perf_counter() > deadline - 30:
             rows.append({"experts": e, "skipped": "out of time"})
             continue
-        shape = {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": e}
-        model = bench.realistic_model(**shape, device=device)
+        model = bench.realistic_model(**model_shape(spec, e), device=device)
         gate = lambda m=model, c=canary: measure(m, c, config=cfg, keep_anchors=False)  # noqa: E731
         t = bench.interleaved({"plain": lambda m=model: bench.plain_forward(m, canary, 8), "gate": gate}, 3)
         row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"]}
@@ -209,13 +221,12 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {**{k: v for k, v in spec.items() if k != "experts"}, "window": window,
-            "canary_tokens": canary.n_tokens, "rows": rows}
+    return {**{k: v for k, v in spec.items() if k != "experts"}, "canary_tokens": canary.n_tokens, "rows": rows}
 
 
 def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
-    """Where a gate's time goes at realistic width (E = 128): ``torch.profiler``'s top operators of one gate by
-    device time and by host time, against a plain forward's totals."""
+    """Where a gate's time goes at realistic width (the middle expert count, E = 128): ``torch.profiler``'s top
+    operators of one gate by device time and by host time, against a plain forward's totals."""
     from torch.profiler import ProfilerActivity, profile
 
     from atlas_tracking import AtlasConfig, measure
@@ -223,15 +234,13 @@ def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
     bench = sibling("run")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = bench.REALISTIC["cuda"]
-    shape = {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": 128}
-    if smoke:
-        shape |= {"hidden": 256, "moe_intermediate": 64, "experts": 16, "layers": 2}
-    model = bench.realistic_model(**shape, device=device)
-    canary = bench.demo_canary(n_windows=16 if not smoke else 4, window=1024 if not smoke else 128)
+    spec = realistic_spec(bench, smoke)
+    experts = spec["experts"][len(spec["experts"]) // 2]
+    model = bench.realistic_model(**model_shape(spec, experts), device=device)
+    canary = bench.demo_canary(n_windows=4 if smoke else 16, window=spec["window"])
     cfg = AtlasConfig.from_dict(bench.QUIET)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    out: dict[str, Any] = {"experts": 128 if not smoke else 16, "canary_tokens": canary.n_tokens}
+    out: dict[str, Any] = {"experts": experts, "canary_tokens": canary.n_tokens}
     for name, fn in (("plain", lambda: bench.plain_forward(model, canary, 8)),
                      ("gate", lambda: measure(model, canary, config=cfg, keep_anchors=False))):
         fn()

@@ -104,17 +104,14 @@ def split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 def encode(doc: dict[str, Any], form: Format, binary_above: int) -> tuple[str, bytes]:
     """The form written and the bytes of a JSON-ready receipts document; ``auto`` writes safetensors when the
     numeric arrays of ``per_window`` hold more than ``binary_above`` values, else the JSON text."""
-    text = None
-    if form != "safetensors":
-        text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-        if form == "json":
-            return "json", text.encode()
-    rest, tensors = split(doc)
-    if text is not None and sum(a.size for a in tensors.values()) <= binary_above:
-        return "json", text.encode()
-    from safetensors.numpy import save
+    if form != "json":
+        rest, tensors = split(doc)
+        if form == "safetensors" or sum(a.size for a in tensors.values()) > binary_above:
+            from safetensors.numpy import save
 
-    return "safetensors", save(tensors, metadata={_DOCUMENT: json.dumps(rest, separators=(",", ":"), allow_nan=False)})
+            return "safetensors", save(tensors, metadata={_DOCUMENT: json.dumps(rest, separators=(",", ":"),
+                                                                                 allow_nan=False)})
+    return "json", json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 class FormError(ValueError):

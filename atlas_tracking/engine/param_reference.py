@@ -215,8 +215,7 @@ def _replicas_and_bytes(parts: dict[str, tuple[torch.Tensor, tuple[Any, ...]]],
                          sum(float(t.double().square().sum()) for _, t in plain),
                          float(local_bytes), float(sum(t.numel() * t.element_size() for _, t in plain))],
                         dtype=torch.float64)
-    backend = str(torch.distributed.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    device = _collective_device()
     everyone = [torch.zeros_like(mine, device=device) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine.to(device))
     rows = torch.stack(everyone).cpu()
@@ -237,8 +236,8 @@ class ParamReference:
         self.step: int | None = None
         """The step of the baseline the reference was taken at."""
         self.form: dict[str, Any] = {}
-        """How the reference is kept: ``form`` (``exact`` or ``sampled``), ``stride``, ``replicas_kept_once``,
-        ``host_bytes`` (this process), ``reason`` (why sampled; None when exact)."""
+        """How the reference is kept: ``form`` (``exact`` or ``sampled``), ``stride``, ``replicas_kept_once`` and
+        ``reason`` (why sampled; None when exact); the record's ``param_drift.reference``."""
         self.seconds = 0.0
         """Wall time of the last :meth:`measure` (kept out of the record: each process has its own)."""
 
@@ -273,7 +272,7 @@ class ParamReference:
             kept[name] = _Kept(groups[name], (None,) if shared else reduce, ref, local.numel(), stride, offset)
         self.kept, self.step = kept, step
         self.form = {"form": "exact" if stride == 1 else "sampled", "stride": stride,
-                     "replicas_kept_once": replicas, "host_bytes": self.host_bytes,
+                     "replicas_kept_once": replicas,
                      "reason": None if stride == 1 else (
                          f"the parameters a process holds take up to {most} bytes, more than "
                          f"gate.param_drift_budget_bytes {self.budget_bytes}: every {stride}-th element of each "
@@ -305,7 +304,7 @@ class ParamReference:
         present = {g for g in (k.group for k in self.kept.values())}
         out = summarize({g: total[i] for i, g in enumerate(GROUPS) if g in present})
         out["reference_step"] = self.step
-        out["reference"] = {k: v for k, v in self.form.items() if k != "host_bytes"}
+        out["reference"] = dict(self.form)
         self.seconds = time.perf_counter() - t0
         return out
 
@@ -314,9 +313,14 @@ def _all_reduce(sums: np.ndarray, groups: tuple[Any, ...]) -> np.ndarray:
     """``sums`` added over each process group in turn (float64; on the backend's device)."""
     if not groups:
         return sums
-    backend = str(torch.distributed.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    t = torch.from_numpy(sums).to(device)
+    t = torch.from_numpy(sums).to(_collective_device())
     for group in groups:
         torch.distributed.all_reduce(t, group=group)
     return t.cpu().numpy()
+
+
+def _collective_device() -> torch.device:
+    """Where the default process group's backend takes tensors: this process's GPU for NCCL, else the CPU."""
+    if "nccl" in str(torch.distributed.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
