@@ -161,6 +161,10 @@ class RoutedLayer:
         """Route arbitrary gate inputs through this layer's router (its own forward, no hooks)."""
         return self.routing(self.router.forward(g.reshape(-1, g.shape[-1])), g)
 
+    def route_active(self, g: torch.Tensor) -> torch.Tensor:
+        """The active sets ``[N, k]`` that :meth:`route` gives, where nothing else of the routing is needed."""
+        return self.route(g).active
+
     # --- experts ---------------------------------------------------------------------------
     experts_forward: Any = None
     """The experts' own forward while a gate stands in for it (set by the capture); None: call the module."""

@@ -129,10 +129,17 @@ class HFLayer(RoutedLayer):
     def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
         return self.row.router.read(self, router_output)[0]
 
+    def _router_forward(self, g: torch.Tensor) -> Any:
+        args = [resolve(self, path) for path in self.row.router_args]
+        return self.router.forward(g.unsqueeze(0) if self.row.router_3d else g, *args)
+
     def route(self, g: torch.Tensor) -> Routing:
         g = g.reshape(-1, g.shape[-1])
-        args = [resolve(self, path) for path in self.row.router_args]
-        return self.routing(self.router.forward(g.unsqueeze(0) if self.row.router_3d else g, *args), g)
+        return self.routing(self._router_forward(g), g)
+
+    def route_active(self, g: torch.Tensor) -> torch.Tensor:
+        g = g.reshape(-1, g.shape[-1])
+        return self.row.router.read(self, self._router_forward(g))[2].reshape(len(g), -1).long()
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         return self.row.shared(self, g) if self.row.shared is not None else None

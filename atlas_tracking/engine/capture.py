@@ -19,7 +19,7 @@ import torch
 from atlas_tracking.adapters.base import RoutedLayer, Routing
 from atlas_tracking.artifacts.baseline import LayerReference
 from atlas_tracking.engine.anchor_storage import AnchorStorage
-from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED
+from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.engine.selfcheck import SelfCheck
 from atlas_tracking.engine.sharding import gathered
@@ -34,7 +34,7 @@ from atlas_tracking.receipts.geometry import angular, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.sketch import project
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
-from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance, tangent_gram
+from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance
 from atlas_tracking.receipts.windows import COUNTERS
 from atlas_tracking.schema.artifacts import BASE_TENSORS, DRIFT_RECEIPTS
 from atlas_tracking.schema.config import ReceiptsConfig
@@ -98,6 +98,8 @@ class Selection:
     """One micro-batch's routing decision with its margins, boundary set and competitors."""
 
     routing: Routing
+    native: Routing
+    """The same routing in the router's own row order, padding rows included (what the self-check reads)."""
     sm: SetMargin
     in_b: torch.Tensor
     """``[N]`` boundary-set membership (``ceil(q T_w)`` smallest margins of each window)."""
@@ -288,7 +290,8 @@ class LayerCapture:
         self._context: Any = None
         self.fused = config.fuse_experts and layer.fusable
         self.combine: str | None = None if self.fused else UNFUSED
-        """How this layer's output comes about in this gate (``engine/combine.py``); chosen at its first call."""
+        """How this layer's output comes about in this gate (``engine/combine.py``); chosen at its first call, from
+        the verdict of an earlier gate of this process with the same arithmetic where there is one."""
         acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
                                                 device=acc.device)
         self.check = SelfCheck(layer, acc, self.evaluator)
@@ -377,9 +380,9 @@ class LayerCapture:
             out = self.layer.block_output(output)
             with self._parameters():
                 with self._own_arithmetic(out.device):
-                    self.compute(self._x, self._g, self._router_out, out, self._stash)
+                    sel = self.compute(self._x, self._g, self._router_out, out, self._stash)
                 if self.batch.keep:  # the model's own modules, in the model's autocast context
-                    self.check.observe(self._x, self._g, inputs[0] if inputs else None, self._router_out, out,
+                    self.check.observe(self._x, self._g, inputs[0] if inputs else None, sel.native, out,
                                        (self.batch.start, self.batch.end), self.batch.size, self.calls == 0)
                 elif self.calls == 0:
                     self.check.idle(self._g)
@@ -393,14 +396,18 @@ class LayerCapture:
         the adjacent and the random competitors (and the anchors) in as many calls as keep each within the
         forward's own expert rows, and the active fields are reduced to the receipts.
 
-        The output is the model's own, bit for bit: at the layer's first call the experts' own forward runs
-        too, and a combine of the active fields is kept only if it equals that output exactly; otherwise
-        every call returns the experts' own forward, as does a call with padding rows (whose fields are not
-        evaluated; docs/receipts.md#precision).
+        The output is the model's own, bit for bit: at the layer's first call under an arithmetic this process has
+        not seen (``combine.arithmetic_key``) the experts' own forward runs too, and a combine of the active fields
+        is kept only if it equals that output exactly; otherwise every call returns the experts' own forward, as
+        does a call with padding rows (whose fields are not evaluated; docs/receipts.md#precision).
         """
         self.check.experts_call(hidden_states, top_k_index, top_k_weights)
-        own = None
+        own, key = None, None
         padded = hidden_states.shape[0] != self.n_windows * self.acc.window
+        if self.combine is None and self.layer.expert_placement() is None:  # an EP group decides together
+            key = arithmetic_key(self.layer.experts_forward, self.layer.experts, hidden_states, top_k_index,
+                                 top_k_weights)
+            self.combine = VERDICTS.get(self.layer.experts, key)
         if self.combine in (None, OWN) or padded:  # padding rows have no fields: the model's own call
             own = self.layer.experts_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         combines = tuple(COMBINES) if self.combine is None else () if self.combine == OWN else (self.combine,)
@@ -414,6 +421,8 @@ class LayerCapture:
             self._stash = (sel, anchors, fields)
             if self.combine is None:
                 self.combine = self._first_combine(fields.outs, self.measured(own))
+                if key is not None:
+                    VERDICTS.put(self.layer.experts, key, self.combine)
         if self.batch.keep:
             self.acc.arrays["layer_output"][self.batch.start : self.batch.end] = PATHS.index(self.combine)
         if own is not None:
@@ -463,10 +472,10 @@ class LayerCapture:
         """
         layer, cfg = self.layer, self.cfg
         w0, bw, seq = self.batch.start, self.n_windows, self.acc.window
-        routing = layer.routing(router_out, g_native)
-        nonfinite = ~torch.isfinite(layer.router_logits(router_out, routing).float()).all(dim=-1)
+        native = layer.routing(router_out, g_native)
+        nonfinite = ~torch.isfinite(layer.router_logits(router_out, native).abs().amax(dim=-1))  # NaN propagates
         routing = Routing(**{k: (self.measured(v) if isinstance(v, torch.Tensor) else v)
-                             for k, v in vars(routing).items()})
+                             for k, v in vars(native).items()})
         nonfinite = self.measured(nonfinite)
         sm = set_margin(routing.scores, routing.active)
         in_b, order = boundary_set_and_order(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
@@ -479,7 +488,7 @@ class LayerCapture:
             sm.e_k1.index_select(0, b_pos), draws)
         cand_in_b = in_b.reshape(-1).index_select(0, b_pos)
         return Selection(
-            routing=routing, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
+            routing=routing, native=native, sm=sm, in_b=in_b.reshape(-1), b_pos=b_pos, e_rand=e_rand,
             rand_ok=cand_in_b & has_rand, no_rand=cand_in_b & ~has_rand, nonfinite=nonfinite,
         )
 
@@ -562,10 +571,9 @@ class LayerCapture:
         chosen = torch.cat([routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
-        rho_k = routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
+        rho, rho_k = routing.rho, routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
         carries = self.carries.to(dev)
         active_fields = carries[routing.active]  # zero-computation experts carry no field: no pairs, no distances
-        rho_fields = routing.rho * active_fields
         extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
         width = k + 1 if handed is None else 1  # rows per token in a chunked call
         per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
@@ -576,11 +584,12 @@ class LayerCapture:
         if handed is not None:
             (active_u,) = self._pair_call([(g2, handed.index)], g2)
             outs = {name: COMBINES[name](active_u, handed.weights, handed.index, handed.dtype) for name in combines}
-            # each expert of the adapter's active set: its row in the model's call (row copies, not an
-            # element-wise gather over [N, k, d])
-            in_slots = (routing.active.unsqueeze(2) == handed.index.unsqueeze(1)).int().argmax(dim=2)
-            in_rows = in_slots + torch.arange(n, device=dev).view(-1, 1) * active_u.shape[1]
-            active_rows = active_u.reshape(-1, d)
+            # the active fields stay in the model's slot order; the adapter's per-expert values follow them there
+            # (C2 sums over pairs, the routed field over experts: neither depends on the order)
+            at = (handed.index.unsqueeze(2) == routing.active.unsqueeze(1)).int().argmax(dim=2)
+            s_active, rho, active_fields = (t.gather(1, at) for t in (s_active, rho, active_fields))
+            pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
+        rho_fields = rho * active_fields
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
@@ -589,18 +598,14 @@ class LayerCapture:
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
             asked = chosen[t0:t1] if active_u is None else chosen[t0:t1, k:]
             u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
-            u, z, rho = u_groups[0].float(), zh[t0:t1], routing.rho[t0:t1]
-            if active_u is not None:
-                both = torch.empty(t1 - t0, k + 1, d, dtype=torch.float32, device=dev)
-                both[:, :k] = active_rows.index_select(0, in_rows[t0:t1].reshape(-1)).view(t1 - t0, k, d)
-                both[:, k:] = u
-                u = both
-            c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(tangent_gram(u[:, :k], z), rho, s_active[t0:t1], cfg.beta_adj,
-                                                   cfg.eps_kappa, active_fields[t0:t1])
-            u_k = u[torch.arange(t1 - t0, device=dev), pos_k[t0:t1]]
-            v_k[t0:t1] = tangent_project(u_k, z)
-            v_k1 = tangent_project(u[:, k], z)
-            field = tangent_project(torch.bmm(rho_fields[t0:t1].unsqueeze(1), u[:, :k]).squeeze(1), z)
+            u, z = u_groups[0].float(), zh[t0:t1]
+            u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
+            v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
+            c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
+                                                   cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
+            v_k[t0:t1] = v[torch.arange(t1 - t0, device=dev), pos_k[t0:t1]]
+            v_k1 = tangent_project(u[:, -1], z)
+            field = torch.bmm(rho_fields[t0:t1].unsqueeze(1), v).squeeze(1)
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
             if t1 == n:
@@ -619,8 +624,9 @@ class LayerCapture:
 
     @torch.no_grad()
     def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
-                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> None:
-        """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``)."""
+                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> Selection:
+        """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``); returns its
+        routing decision."""
         layer, acc = self.layer, self.acc
         w0, w1 = self.batch.start, self.batch.end
         bw, seq = w1 - w0, acc.window
@@ -635,16 +641,16 @@ class LayerCapture:
             zh = self.layer.direction(x2)  # the direction of z: the norm's positive scale cancels
             anchors = self.anchor_batches(x2, g2.dtype)
             stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
-        if not self.batch.keep:
-            return
         sel, anchors, fr = stash
+        if not self.batch.keep:
+            return sel
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid = sm.valid
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         with self._model_arithmetic():
-            post = layer.route(layer.norm.forward(x2 + out2)).active
+            post = layer.route_active(layer.norm.forward(x2 + out2))
         ov = set_overlap(routing.active, post)
 
         # every per-window sum and count of the micro-batch in two masked reductions
@@ -677,6 +683,7 @@ class LayerCapture:
                 self._collect(a, v_a, g2, in_b)
             else:
                 self._drift(a, v_a, g2, x2)
+        return sel
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``
@@ -726,6 +733,8 @@ class LayerCapture:
 
 def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[str, Any]:
     """Merge one layer's host arrays from several processes, each owning disjoint windows."""
+    if len(hosts) == 1:
+        return hosts[0]
     merged: dict[str, Any] = {}
     for key in hosts[0]:
         if key == "cells":

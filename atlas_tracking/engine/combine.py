@@ -11,9 +11,11 @@ transformers experts implementations:
 - ``ascending``: each product cast to the hidden states' dtype, then added one expert at a time in
   ascending expert order (the eager loop's ``index_add_`` over the experts it hits).
 
-At the first call of every gate the capture calls the experts' own forward as well and keeps a combine
-only if it equals that output bit for bit; otherwise every call of that layer in the gate is the
-model's own call (``OWN``).
+The first time a layer's experts run under a gate with a given arithmetic (:func:`arithmetic_key`), the capture
+calls the experts' own forward as well and keeps a combine only if it equals that output bit for bit; otherwise
+every call of that layer is the model's own call (``OWN``). Whether a combine reproduces the experts' forward
+depends on their code and arithmetic, not on the numbers they hold, so the verdict is kept for later gates of
+the same process (:class:`CombineVerdicts`) and found again whenever any part of the arithmetic changes.
 
 Example (a product in bf16 accumulated two ways):
     >>> import torch
@@ -26,7 +28,9 @@ Example (a product in bf16 accumulated two ways):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -56,6 +60,58 @@ COMBINES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dt
     "slots": slot_sum,
     "ascending": ascending_adds,
 }
-"""The combines a gate may hand back, tried in this order at a gate's first call."""
+"""The combines a gate may hand back, tried in this order when a layer's arithmetic is first seen."""
 PATHS = (UNFUSED, OWN, *COMBINES)
 """Every way a layer's output came about in a gate, in the order of their codes in the per-window array."""
+
+
+def arithmetic_key(forward: Any, module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor,
+                   weights: torch.Tensor) -> tuple:
+    """Everything an experts call's arithmetic depends on besides the numbers: the forward's code (and a
+    transformers experts implementation chosen by name), the shapes and dtypes of what it is handed and holds,
+    the device, the autocast and grad modes, deterministic algorithms, and the combines on offer."""
+    device = hidden.device.type
+    param = next(module.parameters(), None)
+    code = getattr(forward, "__func__", forward)
+    return (_weakly(code), getattr(getattr(module, "config", None), "_experts_implementation", None),
+            tuple(hidden.shape), hidden.dtype, index.dtype, weights.dtype, None if param is None else param.dtype,
+            hidden.device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
+            torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(), tuple(COMBINES))
+
+
+def _weakly(obj: Any) -> Any:
+    """``obj`` by a weak reference where it takes one: equal to another reference to it while it lives, and to
+    nothing once it is gone (a new object at the same address is another forward); never keeping it alive (a
+    wrapper may hold the module itself)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return obj
+
+
+class CombineVerdicts:
+    """Which combine reproduced an experts module's own forward, per arithmetic, in this process.
+
+    Held weakly by module, so a verdict goes with its model.
+
+    >>> verdicts, experts = CombineVerdicts(), torch.nn.Linear(2, 2)
+    >>> verdicts.get(experts, ("key",)) is None
+    True
+    >>> verdicts.put(experts, ("key",), "slots")
+    >>> verdicts.get(experts, ("key",))
+    'slots'
+    """
+
+    def __init__(self) -> None:
+        self._by_module: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
+
+    def get(self, module: torch.nn.Module, key: tuple) -> str | None:
+        """The verdict for ``module`` under ``key``; None when that arithmetic has not been checked here."""
+        return self._by_module.get(module, {}).get(key)
+
+    def put(self, module: torch.nn.Module, key: tuple, combine: str) -> None:
+        self._by_module.setdefault(module, {})[key] = combine
+
+
+VERDICTS = CombineVerdicts()
+"""This process's verdicts (``engine/capture.py`` reads and writes them)."""

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from atlas_tracking.adapters.base import Routing
 from atlas_tracking.engine.combine import PATHS
 from atlas_tracking.engine.fields import FieldEvaluator, LocalFields
 
@@ -88,7 +89,9 @@ def rel_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.sort(dim=1).values == b.sort(dim=1).values).all(dim=1)
+    """``[N]`` each row of ``a`` holds the experts of the same row of ``b`` and the reverse (``[N, k]`` each)."""
+    eq = a.unsqueeze(2) == b.unsqueeze(1)
+    return eq.any(dim=2).all(dim=1) & eq.any(dim=1).all(dim=1)
 
 
 class SelfCheck:
@@ -135,7 +138,7 @@ class SelfCheck:
                            torch.where(num > 0, float("inf"), 0.0))
 
     @torch.no_grad()
-    def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, router_out: Any,
+    def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, routing: Routing,
                 out: torch.Tensor, windows: tuple[int, int], size: int, first: bool = True) -> None:
         """Compare one micro-batch's norm, block input, output and routing with the adapter's reading.
 
@@ -156,7 +159,6 @@ class SelfCheck:
         same_size = isinstance(block_input, torch.Tensor) and block_input.numel() == g.numel()
         errs[:, col["block_input"]] = self._per_window(block_input.reshape(g.shape), g) if same_size else float("inf")
         g2, out2 = g.reshape(-1, d), out.reshape(-1, d)
-        routing = layer.routing(router_out, g2)
         if call is not None:
             mismatch = ~_same_sets(routing.active, call[1].reshape(len(g2), -1).long())
             shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
@@ -174,7 +176,7 @@ class SelfCheck:
         self.acc.arrays["selfcheck_tol"][w0:w1] = rel_tolerance(*dtypes)
 
     def _expert_checks(self, errors: dict[str, float], rows: torch.Tensor, g2: torch.Tensor, out2: torch.Tensor,
-                       routing: Any, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.dtype:
+                       routing: Routing, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.dtype:
         """``recombination`` (and ``experts_call`` in fused mode) at ``rows``; returns the fields' dtype."""
         layer = self.layer
         g_s, active = g2.index_select(0, rows), routing.active.index_select(0, rows)

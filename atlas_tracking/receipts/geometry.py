@@ -49,7 +49,5 @@ def tangent_project(u: torch.Tensor, zh: torch.Tensor) -> torch.Tensor:
 
     ``u`` is ``[N, m, d]`` (m fields per token) or ``[N, d]``; ``zh`` is ``[N, d]``.
     """
-    if u.dim() == zh.dim():
-        return u - (u * zh).sum(-1, keepdim=True) * zh
-    zh3 = zh.unsqueeze(1)
-    return u - (u * zh3).sum(-1, keepdim=True) * zh3
+    zh = zh if u.dim() == zh.dim() else zh.unsqueeze(1)
+    return torch.addcmul(u, (u * zh).sum(-1, keepdim=True), zh, value=-1.0)  # one pass where a broadcast product is slow

@@ -66,10 +66,9 @@ def pair_weights(rho: torch.Tensor, s_active: torch.Tensor, beta_adj: float,
     >>> pair_weights(rho, s, 1.0, torch.tensor([[True, False, True]]))[0].tolist()
     [[0.0, 0.0, 0.5], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
     """
-    k = rho.shape[1]
-    w = rho.unsqueeze(2) * rho.unsqueeze(1) * torch.exp(-beta_adj * (s_active.unsqueeze(2) - s_active.unsqueeze(1)).abs())
-    off_diag = ~torch.eye(k, dtype=torch.bool, device=rho.device)
-    w = w * (off_diag if carries is None else off_diag & carries.unsqueeze(2) & carries.unsqueeze(1))
+    r = rho if carries is None else rho * carries
+    w = r.unsqueeze(2) * r.unsqueeze(1) * torch.exp(-beta_adj * (s_active.unsqueeze(2) - s_active.unsqueeze(1)).abs())
+    w.diagonal(dim1=1, dim2=2).zero_()
     total = w.sum(dim=(1, 2), keepdim=True)
     return w / total.clamp_min(torch.finfo(w.dtype).tiny)
 

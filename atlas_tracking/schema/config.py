@@ -60,9 +60,9 @@ class ReceiptsConfig:
     fp32) make one call. A larger value makes fewer, bigger calls."""
     fuse_experts: bool = True
     """Evaluate the active experts once, inside the model's own forward, and hand back the layer's output
-    built from them wherever that is the model's own output bit for bit (checked at each layer's first call
-    of every gate; otherwise the experts' own forward runs as well). False leaves the forward untouched and
-    evaluates the fields a second time in the block's hook (docs/receipts.md#precision)."""
+    built from them wherever that is the model's own output bit for bit (checked at a layer's first call under
+    each arithmetic, once per process; otherwise the experts' own forward runs as well). False leaves the
+    forward untouched and evaluates the fields a second time in the block's hook (docs/receipts.md#precision)."""
     anchors: int = 1024
     """Anchor tokens kept in a baseline for drift receipts."""
     baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] | None = None
