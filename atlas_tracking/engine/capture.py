@@ -233,18 +233,17 @@ class LayerAccumulator:
         self.cells.append(cell_keys(active, self.n_experts))
 
     def to_host(self) -> dict[str, Any]:
-        """Per-window arrays as numpy plus the active-set cell counts (a dict keyed by sorted set)."""
+        """Per-window arrays as numpy plus the active-set cells: ``(keys, counts)``, one key (or sorted row) per
+        distinct active set (``occupancy.cell_keys``) and the tokens that visited it."""
         host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
         stacks = [torch.cat([self.sums, *(d[0] for d in self.drift.values())]),
                   torch.cat([self.counts, *(d[1] for d in self.drift.values())])]
         for names, stack in zip((self.sum_names, self.count_names), stacks):
             host.update(zip(names, stack.cpu().numpy()))
-        merged: dict[tuple[int, ...], int] = {}
         if self.cells:
-            cells, counts = count_cells(torch.cat(self.cells))
-            for key, c in zip(cells.cpu().tolist(), counts.cpu().tolist()):
-                merged[tuple(key) if isinstance(key, list) else (key,)] = int(c)
-        host["cells"] = merged
+            host["cells"] = tuple(t.cpu().numpy() for t in count_cells(torch.cat(self.cells)))
+        else:
+            host["cells"] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         return host
 
 
@@ -738,11 +737,11 @@ def merge_hosts(hosts: list[dict[str, Any]], owned: list[np.ndarray]) -> dict[st
     merged: dict[str, Any] = {}
     for key in hosts[0]:
         if key == "cells":
-            cells: dict[tuple[int, ...], int] = {}
-            for h in hosts:
-                for cell, c in h["cells"].items():
-                    cells[cell] = cells.get(cell, 0) + c
-            merged["cells"] = cells
+            parts = [h["cells"] for h in hosts if len(h["cells"][0])] or [hosts[0]["cells"]]
+            distinct, which = np.unique(np.concatenate([keys for keys, _ in parts]), axis=0, return_inverse=True)
+            counts = np.bincount(which.reshape(-1), weights=np.concatenate([c for _, c in parts]),
+                                 minlength=len(distinct))
+            merged["cells"] = (distinct, counts.astype(np.int64))
             continue
         out = hosts[0][key].copy()
         for h, own in zip(hosts, owned):

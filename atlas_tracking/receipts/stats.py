@@ -75,6 +75,30 @@ def ratio_ci(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: float
     return percentile_ci(ratio_samples(sums, counts, idx), level)
 
 
+def ratio_cis(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: float) -> np.ndarray:
+    """:func:`ratio_ci` of several pooled ratios at once (``sums`` and ``counts`` ``[R, W]``): ``[R, 2]``.
+
+    >>> idx = bootstrap_indices(4, n_resamples=200, seed=0)
+    >>> sums, counts = np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]]), np.ones((2, 4))
+    >>> together = ratio_cis(sums, counts, idx, 0.95)
+    >>> np.allclose(together[0], ratio_ci(sums[0], counts[0], idx, 0.95)), together[1].tolist()
+    (True, [0.0, 0.0])
+    """
+    sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
+    mult = float_multiplicity(idx, sums.shape[1])
+    s, c = mult @ sums.T, mult @ counts.T  # [resamples, R]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        samples = np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)
+    alpha = (1.0 - level) / 2.0
+    out = np.full((len(sums), 2), np.nan)
+    whole = np.isfinite(samples).all(axis=0)
+    if whole.any():  # one quantile call for the ratios every resample defines
+        out[whole] = np.quantile(samples[:, whole], [alpha, 1.0 - alpha], axis=0).T
+    for r in np.flatnonzero(~whole):
+        out[r] = percentile_ci(samples[:, r], level)
+    return out
+
+
 def diff_ci(
     sums_a: np.ndarray, counts_a: np.ndarray, sums_b: np.ndarray, counts_b: np.ndarray, idx: np.ndarray, level: float
 ) -> tuple[float, float]:

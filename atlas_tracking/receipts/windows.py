@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
-from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, float_multiplicity, ratio, ratio_ci
+from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, float_multiplicity, ratio, ratio_cis
 
 RATIO_RECEIPTS: tuple[str, ...] = (
     "margin_mean",
@@ -77,17 +77,17 @@ def _f(x: float) -> float | None:
 
 
 def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) -> tuple[dict, dict]:
-    """Pooled ratio receipts and their CIs for every ``{name: {"sum", "count"}}`` entry present."""
-    values: dict[str, float | None] = {}
-    cis: dict[str, list[float | None]] = {}
-    for name, entry in per_window.items():
-        if not isinstance(entry, dict) or "sum" not in entry:
-            continue
-        s = np.asarray(entry["sum"], dtype=np.float64)
-        c = np.asarray(entry["count"], dtype=np.float64)
-        values[name] = _f(ratio(s, c))
-        lo, hi = ratio_ci(s, c, idx, level)
-        cis[name] = [_f(lo), _f(hi)]
+    """Pooled ratio receipts and their CIs for every ``{name: {"sum", "count"}}`` entry present, and the boundary
+    mass at each delta (``boundary_mass@delta``), resampled together."""
+    entries = {name: entry for name, entry in per_window.items() if isinstance(entry, dict) and "sum" in entry}
+    entries.update({f"boundary_mass@{name}": entry for name, entry in per_window.get("boundary_mass", {}).items()})
+    if not entries:
+        return {}, {}
+    sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in entries.values()])
+    counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in entries.values()])
+    bounds = ratio_cis(sums, counts, idx, level)
+    values = {name: _f(ratio(s, c)) for name, s, c in zip(entries, sums, counts)}
+    cis = {name: [_f(lo), _f(hi)] for name, (lo, hi) in zip(entries, bounds.tolist())}
     return values, cis
 
 
@@ -169,11 +169,6 @@ def layer_receipts(
     p_mass = np.asarray(per_window["p_mass_total"], dtype=np.float64)
     values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
     values.update(cell_stats(np.asarray(cell_counts, dtype=np.int64)))
-    for name, entry in per_window.get("boundary_mass", {}).items():
-        s, c = np.asarray(entry["sum"], float), np.asarray(entry["count"], float)
-        values[f"boundary_mass@{name}"] = _f(ratio(s, c))
-        lo, hi = ratio_ci(s, c, idx, level)
-        cis[f"boundary_mass@{name}"] = [_f(lo), _f(hi)]
     if "transition_jump" in per_window:
         est, ci = median_receipt(per_window["transition_jump"], idx, level)
         values["transition_incompat"], cis["transition_incompat"] = _f(est), ci
