@@ -21,7 +21,7 @@ from atlas_tracking.artifacts.baseline import LayerReference
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
-from atlas_tracking.engine.selfcheck import SelfCheck
+from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
 from atlas_tracking.receipts.consistency import set_overlap
 from atlas_tracking.receipts.drift import (
@@ -583,11 +583,12 @@ class LayerCapture:
         if handed is not None:
             (active_u,) = self._pair_call([(g2, handed.index)], g2)
             outs = {name: COMBINES[name](active_u, handed.weights, handed.index, handed.dtype) for name in combines}
-            # the active fields stay in the model's slot order; the adapter's per-expert values follow them there
-            # (C2 sums over pairs, the routed field over experts: neither depends on the order)
-            at = (handed.index.unsqueeze(2) == routing.active.unsqueeze(1)).int().argmax(dim=2)
-            s_active, rho, active_fields = (t.gather(1, at) for t in (s_active, rho, active_fields))
-            pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
+            if not same_tensor(handed.index, routing.active):
+                # the active fields stay in the model's slot order; the adapter's per-expert values follow them
+                # there (C2 sums over pairs, the routed field over experts: neither depends on the order)
+                at = (handed.index.unsqueeze(2) == routing.active.unsqueeze(1)).int().argmax(dim=2)
+                s_active, rho, active_fields = (t.gather(1, at) for t in (s_active, rho, active_fields))
+                pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
         rho_fields = rho * active_fields
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
