@@ -305,14 +305,13 @@ class LayerCapture:
         self._autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         return torch.autocast(device.type, enabled=False) if self._autocast[1] else contextlib.nullcontext()
 
-    def rank_violations(self, sm: SetMargin, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def rank_violations(self, sm: SetMargin, dtype: torch.dtype) -> torch.Tensor:
         """Tokens whose model choice is beaten by an unselected expert by more than the rounding of the precision
         the model selected in (its gate input's dtype, or its autocast dtype): ``m < -eps (|s_k| + |s_k1|)``.
         A model that ranks in bf16 may pick either of two scores that differ below its rounding."""
         _, enabled, autocast = self._autocast
         eps = max(torch.finfo(t).eps for t in (dtype, *((autocast,) if enabled else ())))
-        s_k, s_k1 = (scores.gather(1, e.view(-1, 1)).squeeze(1) for e in (sm.e_k, sm.e_k1))
-        scale = torch.nan_to_num(s_k.abs() + s_k1.abs(), nan=0.0, posinf=0.0)
+        scale = torch.nan_to_num(sm.s_k.abs() + sm.s_k1.abs(), nan=0.0, posinf=0.0)
         return sm.margin < -eps * scale
 
     def _model_arithmetic(self) -> contextlib.AbstractContextManager:
@@ -659,7 +658,7 @@ class LayerCapture:
         masks = torch.stack([
             valid, fr.c2_ok, torch.ones_like(valid), in_b_adj, valid & ~in_b & fr.adj_fields,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
-            ~valid, self.rank_violations(sm, routing.scores, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
+            ~valid, self.rank_violations(sm, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
         ])
         n_means = len(_TOKEN_MEANS)
         values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()

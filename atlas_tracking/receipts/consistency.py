@@ -14,5 +14,5 @@ import torch
 def set_overlap(active_a: torch.Tensor, active_b: torch.Tensor) -> torch.Tensor:
     """Per-token ``|R_a ∩ R_b| / k`` for two ``[N, k]`` active sets (order inside a set is ignored)."""
     k = active_a.shape[1]
-    hits = (active_a.unsqueeze(2) == active_b.unsqueeze(1)).any(dim=2)
-    return hits.sum(dim=1).to(torch.float32) / k
+    hits = (active_a.unsqueeze(2) == active_b.unsqueeze(1)).sum(dim=(1, 2))  # a set holds each expert once
+    return hits.to(torch.float32) / k

@@ -35,6 +35,10 @@ class SetMargin:
     """Best unselected eligible expert."""
     valid: torch.Tensor
     """False where no eligible competitor exists (the token is excluded from State1 and V2)."""
+    s_k: torch.Tensor
+    """The selection score of ``e_k``."""
+    s_k1: torch.Tensor
+    """The selection score of ``e_k1`` (``-inf`` where invalid)."""
 
 
 def set_margin(scores: torch.Tensor, active: torch.Tensor) -> SetMargin:
@@ -52,7 +56,7 @@ def set_margin(scores: torch.Tensor, active: torch.Tensor) -> SetMargin:
     valid = torch.isfinite(s_k1)
     s_k = s_active.gather(1, pos_k).squeeze(1)
     margin = torch.where(valid, s_k - s_k1, torch.zeros_like(s_k))
-    return SetMargin(margin=margin, e_k=e_k, e_k1=e_k1, valid=valid)
+    return SetMargin(margin=margin, e_k=e_k, e_k1=e_k1, valid=valid, s_k=s_k, s_k1=s_k1)
 
 
 def boundary_set(margins: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
