@@ -69,14 +69,16 @@ def arithmetic_key(forward: Any, module: torch.nn.Module, hidden: torch.Tensor, 
                    weights: torch.Tensor) -> tuple:
     """Everything an experts call's arithmetic depends on besides the numbers: the forward's code (and a
     transformers experts implementation chosen by name), the shapes and dtypes of what it is handed and holds,
-    the device, the autocast and grad modes, deterministic algorithms, and the combines on offer."""
+    the device, the autocast and grad modes, deterministic algorithms, the float32 matmul precision, and the
+    combines on offer."""
     device = hidden.device.type
     param = next(module.parameters(), None)
     code = getattr(forward, "__func__", forward)
     return (_weakly(code), getattr(getattr(module, "config", None), "_experts_implementation", None),
             tuple(hidden.shape), hidden.dtype, index.dtype, weights.dtype, None if param is None else param.dtype,
             hidden.device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
-            torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(), tuple(COMBINES))
+            torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+            torch.get_float32_matmul_precision(), tuple(COMBINES))
 
 
 def _weakly(obj: Any) -> Any:

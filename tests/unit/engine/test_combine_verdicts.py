@@ -9,6 +9,7 @@ import torch
 
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.engine.capture import LayerCapture
+from atlas_tracking.engine.combine import arithmetic_key
 from atlas_tracking.testing.families import check_own_forward, family_model, to_dtype
 
 
@@ -46,3 +47,24 @@ def test_autocast_is_part_of_the_arithmetic(checked):
     assert len(checked) == 2 * layers
     check_own_forward("qwen3_moe", model, autocast=torch.bfloat16)
     assert len(checked) == 2 * layers
+
+
+def test_the_arithmetic_key_changes_with_each_part_of_the_arithmetic():
+    experts = torch.nn.Linear(4, 4)
+    hidden, index, weights = torch.zeros(6, 4), torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2)
+    key = arithmetic_key(experts.forward, experts, hidden, index, weights)
+    assert arithmetic_key(experts.forward, experts, hidden.clone(), index, weights) == key  # the numbers: no
+    others = [arithmetic_key(experts.forward, experts, hidden.bfloat16(), index, weights),
+              arithmetic_key(experts.forward, experts, hidden[:3], index[:3], weights[:3]),
+              arithmetic_key(lambda *a: None, experts, hidden, index, weights)]
+    with torch.no_grad():
+        others.append(arithmetic_key(experts.forward, experts, hidden, index, weights))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        others.append(arithmetic_key(experts.forward, experts, hidden, index, weights))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium" if precision != "medium" else "highest")
+    try:
+        others.append(arithmetic_key(experts.forward, experts, hidden, index, weights))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert all(other != key for other in others)
