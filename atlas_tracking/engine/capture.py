@@ -176,6 +176,8 @@ class FieldReceipts:
     outs: dict[str, torch.Tensor]
     """``[N, d]`` the layer's routed output by each combine asked for (``engine/combine.py``), in the model's
     arithmetic and the hidden states' dtype."""
+    sampled: tuple[torch.Tensor, ...] = ()
+    """The fields of the self-check's sampled tokens (``SelfCheck.sample_groups``), where this micro-batch has them."""
 
 
 @dataclass
@@ -293,7 +295,7 @@ class LayerCapture:
         the verdict of an earlier gate of this process with the same arithmetic where there is one."""
         acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
                                                 device=acc.device)
-        self.check = SelfCheck(layer, acc, self.evaluator)
+        self.check = SelfCheck(layer, acc)
         self._handles: list[Any] = []
         self._autocast: tuple[str, bool, torch.dtype] = ("cpu", False, torch.bfloat16)
         self.calls = 0
@@ -378,12 +380,10 @@ class LayerCapture:
             out = self.layer.block_output(output)
             with self._parameters():
                 with self._own_arithmetic(out.device):
-                    sel = self.compute(self._x, self._g, self._router_out, out, self._stash)
+                    sel, _, fr = self.compute(self._x, self._g, self._router_out, out, self._stash)
                 if self.batch.keep:  # the model's own modules, in the model's autocast context
                     self.check.observe(self._x, self._g, inputs[0] if inputs else None, sel.native, out,
-                                       (self.batch.start, self.batch.end), self.batch.size, self.calls == 0)
-                elif self.calls == 0:
-                    self.check.idle(self._g)
+                                       (self.batch.start, self.batch.end), self.batch.size, fr.sampled)
         finally:
             self._x = self._g = self._router_out = self._stash = None
         self.calls += 1
@@ -415,7 +415,8 @@ class LayerCapture:
             zh = self.layer.direction(x2)
             anchors = self.anchor_batches(x2, hidden_states.dtype)
             handed = Handed(self.measured(top_k_weights), self.measured(top_k_index).long(), hidden_states.dtype)
-            fields = self.fields(sel, self.measured(hidden_states), zh, anchors, handed, combines)
+            g2 = self.measured(hidden_states)
+            fields = self.fields(sel, g2, zh, anchors, handed, combines, self._samples(sel, (g2, handed.index)))
             self._stash = (sel, anchors, fields)
             if self.combine is None:
                 self.combine = self._first_combine(fields.outs, self.measured(own))
@@ -490,6 +491,14 @@ class LayerCapture:
             rand_ok=cand_in_b & has_rand, no_rand=cand_in_b & ~has_rand, nonfinite=nonfinite,
         )
 
+    def _samples(self, sel: Selection, handed: tuple[torch.Tensor, torch.Tensor] | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The self-check's sampled (rows, experts) where this micro-batch holds the canary's first window (the norm's
+        output at the adapter's active sets; ``handed``: the experts' input and the model's indices), else none."""
+        if self.batch.start != 0 or not self.batch.keep:
+            return []
+        return self.check.sample_groups(self.window_major(self._g), sel.routing.active, handed)
+
     def anchor_batches(self, x2: torch.Tensor, dtype: torch.dtype) -> list[AnchorBatch]:
         """The anchors this micro-batch holds, for the baseline being collected and for drift (in that order)."""
         drifts = [(t, ref) for t, ref in self.references.items() if ref is not None]
@@ -545,7 +554,8 @@ class LayerCapture:
         return fields
 
     def fields(self, sel: Selection, g2: torch.Tensor, zh: torch.Tensor, anchors: list[AnchorBatch],
-               handed: Handed | None = None, combines: tuple[str, ...] = ()) -> FieldReceipts:
+               handed: Handed | None = None, combines: tuple[str, ...] = (),
+               sample: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> FieldReceipts:
         """Evaluate the fields a gate needs and reduce them per token, chunk by chunk.
 
         Per token: the active set and the adjacent competitor; at the boundary candidates, the random
@@ -561,7 +571,8 @@ class LayerCapture:
         With ``handed`` (the gate stands in for the experts' call), the active set is evaluated first, in one
         call holding the rows of the model's own call in its order (so each expert's matmul sees the inputs it
         sees in the model's call), and each of ``combines`` builds the layer's output from those fields in
-        the model's arithmetic; the chunked calls then hold the competitors only.
+        the model's arithmetic; the chunked calls then hold the competitors only. The self-check's ``sample``
+        groups ride in the last chunked call, with the random competitors.
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
@@ -572,7 +583,7 @@ class LayerCapture:
         rho, rho_k = routing.rho, routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
         carries = self.carries.to(dev)
         active_fields = carries[routing.active]  # zero-computation experts carry no field: no pairs, no distances
-        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1))]
+        extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *(sample or [])]
         width = k + 1 if handed is None else 1  # rows per token in a chunked call
         per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
@@ -608,7 +619,7 @@ class LayerCapture:
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
             jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
             if t1 == n:
-                u_rand = u_groups[1]
+                u_rand, *sampled = u_groups[1:]
         u_anchors = self._anchor_calls(anchors, g2)
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
         e_k = sel.sm.e_k
@@ -618,14 +629,15 @@ class LayerCapture:
             adj_fields=carries[e_k] & carries[sel.sm.e_k1],
             rand_fields=carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand],
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
-            outs=outs,
+            outs=outs, sampled=tuple(sampled),
         )
 
     @torch.no_grad()
     def compute(self, x: torch.Tensor, g: torch.Tensor, router_out: Any, out: torch.Tensor,
-                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None) -> Selection:
+                stash: tuple[Selection, list[AnchorBatch], FieldReceipts] | None = None
+                ) -> tuple[Selection, list[AnchorBatch], FieldReceipts]:
         """Reduce one micro-batch of this layer to per-window sums (x, g, out are ``[B, L, d]``); returns its
-        routing decision."""
+        routing decision, anchors and field receipts."""
         layer, acc = self.layer, self.acc
         w0, w1 = self.batch.start, self.batch.end
         bw, seq = w1 - w0, acc.window
@@ -639,10 +651,10 @@ class LayerCapture:
             sel = self.select(router_out, g.reshape(-1, d))
             zh = self.layer.direction(x2)  # the direction of z: the norm's positive scale cancels
             anchors = self.anchor_batches(x2, g2.dtype)
-            stash = (sel, anchors, self.fields(sel, g2, zh, anchors))
+            stash = (sel, anchors, self.fields(sel, g2, zh, anchors, sample=self._samples(sel, None)))
         sel, anchors, fr = stash
         if not self.batch.keep:
-            return sel
+            return stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid = sm.valid
         win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
@@ -682,7 +694,7 @@ class LayerCapture:
                 self._collect(a, v_a, g2, in_b)
             else:
                 self._drift(a, v_a, g2, x2)
-        return sel
+        return stash
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``

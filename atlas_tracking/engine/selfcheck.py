@@ -37,7 +37,6 @@ import torch
 
 from atlas_tracking.adapters.base import Routing
 from atlas_tracking.engine.combine import PATHS
-from atlas_tracking.engine.fields import FieldEvaluator, LocalFields
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -102,11 +101,9 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class SelfCheck:
     """The self-check of one routed layer during one gate; results go to its accumulator, per window."""
 
-    def __init__(self, layer: Any, acc: Any, fields: FieldEvaluator | None = None):
+    def __init__(self, layer: Any, acc: Any):
         self.layer = layer
         self.acc = acc
-        self.fields = fields if fields is not None else LocalFields(layer)
-        """The gate's field evaluator: under expert parallelism, experts held elsewhere answer over the exchange."""
         acc.arrays["selfcheck"] = torch.full((acc.n_windows, len(CHECKS)), float("nan"), device=acc.device)
         acc.arrays["selfcheck_tol"] = torch.full((acc.n_windows,), float("nan"), device=acc.device)
         self._call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -115,24 +112,20 @@ class SelfCheck:
         """Keep what the model handed its experts in this micro-batch (fused mode)."""
         self._call = (hidden, index, weights)
 
+    def sample_groups(self, g: torch.Tensor, active: torch.Tensor,
+                      handed: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (rows, experts) whose fields the expert checks read, for the micro-batch that holds the canary's
+        first window (window-major ``g`` and ``active``): its first ``SAMPLE_TOKENS`` tokens at the adapter's
+        active sets and, in fused mode, at the experts the model handed them (``handed``: its rows and indices).
+        The capture evaluates them in its competitors' call and hands the fields to :meth:`observe`."""
+        n = min(SAMPLE_TOKENS, self.acc.window)
+        return [(g[:n], active[:n]), *(() if handed is None else ((handed[0][:n], handed[1][:n]),))]
+
     def _sample(self, n_windows: int, active: torch.Tensor) -> torch.Tensor:
         """Native rows of the first ``SAMPLE_TOKENS`` positions of the micro-batch's first window (the same
-        tokens whatever the batching), wherever their experts are held."""
+        tokens whatever the batching, and those of :meth:`sample_groups`)."""
         pos = torch.arange(min(SAMPLE_TOKENS, len(active) // n_windows), device=active.device)
         return pos * n_windows if self.layer.sequence_first else pos
-
-    def idle(self, like: torch.Tensor) -> None:
-        """At a layer's first call of a gate, where this process has no tokens to check: an empty request, so the
-        expert-parallel exchange of the process that checks stays matched (nothing happens when every expert is
-        local). ``like`` gives the width and dtype of the rows."""
-        if not isinstance(self.fields, LocalFields):
-            self.fields(like.new_empty((0, like.shape[-1])), torch.zeros(0, dtype=torch.long, device=like.device))
-
-    def _outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Raw outputs ``[N, m, d]`` of ``experts [N, m]`` at ``rows [N, d]``, through the gate's field evaluator."""
-        n, m = experts.shape
-        pairs = rows.reshape(n, 1, -1).expand(n, m, rows.shape[-1]).reshape(n * m, -1)
-        return self.fields(pairs, experts.reshape(-1)).view(n, m, -1)
 
     def _per_window(self, ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
         """Relative errors ``[windows]`` of two ``[B, L, d]`` (sequence-first: ``[L, B, d]``) tensors."""
@@ -144,15 +137,14 @@ class SelfCheck:
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, routing: Routing,
-                out: torch.Tensor, windows: tuple[int, int], size: int, first: bool = True) -> None:
+                out: torch.Tensor, windows: tuple[int, int], size: int, sampled: tuple[torch.Tensor, ...] = ()) -> None:
         """Compare one micro-batch's norm, block input, output and routing with the adapter's reading.
 
         The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
-        Those that evaluate experts run once per gate, at the first tokens of the canary's first window, in
-        one call of the experts (plus, in fused mode, one call of the experts' own forward): a structural
-        mismatch shows at any token, and the gate stays one forward pass. Under expert parallelism the fields of
-        experts held elsewhere come over the exchange: every process of the group makes one such call at the
-        layer's ``first`` call of the gate (empty where it holds no sampled tokens, :meth:`idle`).
+        Those that evaluate experts run once per gate, at the first tokens of the canary's first window: their
+        fields (``sampled``, of :meth:`sample_groups`) ride in the capture's call for the competitors, and in fused
+        mode the experts' own forward runs once on those tokens. A structural mismatch shows at any token, and
+        the gate stays one forward pass.
         """
         layer, call = self.layer, self._call
         self._call = None
@@ -171,36 +163,32 @@ class SelfCheck:
             shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
             errs[:, col["active_set"]] = mismatch.view(shape).float().mean(dim=0 if layer.sequence_first else 1)
         dtypes = [g.dtype, out.dtype, *_autocast_dtype(g.device)]
-        rows = self._sample(n_windows, routing.active) if w0 == 0 else g2.new_empty(0, dtype=torch.long)
-        if len(rows):
+        if sampled:
             errors = dict.fromkeys(CHECKS, float("nan"))
-            dtypes.append(self._expert_checks(errors, rows, g2, out2, routing, call))
+            rows = self._sample(n_windows, routing.active)
+            dtypes.append(self._expert_checks(errors, rows, g2, out2, routing, call, sampled))
             for name in ("recombination", "experts_call"):
                 errs[0, col[name]] = errors[name]
-        elif first:
-            self.idle(g2)
         self.acc.arrays["selfcheck"][w0:w1] = errs[: w1 - w0]  # padding windows come last
         self.acc.arrays["selfcheck_tol"][w0:w1] = rel_tolerance(*dtypes)
 
     def _expert_checks(self, errors: dict[str, float], rows: torch.Tensor, g2: torch.Tensor, out2: torch.Tensor,
-                       routing: Routing, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.dtype:
-        """``recombination`` (and ``experts_call`` in fused mode) at ``rows``; returns the fields' dtype."""
+                       routing: Routing, call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                       sampled: tuple[torch.Tensor, ...]) -> torch.dtype:
+        """``recombination`` (and ``experts_call`` in fused mode) at ``rows`` from the ``sampled`` fields;
+        returns the fields' dtype."""
         layer = self.layer
-        g_s, active = g2.index_select(0, rows), routing.active.index_select(0, rows)
-        groups = [(g_s, active)]
-        if call is not None:
-            hidden, index, weights = (t.reshape(len(g2), -1).index_select(0, rows) for t in call)
-            groups.append((hidden, index.long()))
-        u = self._outputs(torch.cat([r for r, _ in groups]), torch.cat([e for _, e in groups]))
-        recon = (routing.weights.index_select(0, rows).float().unsqueeze(-1) * u[: len(rows)].float()).sum(1)
+        g_s = g2.index_select(0, rows)
+        recon = (routing.weights.index_select(0, rows).float().unsqueeze(-1) * sampled[0].float()).sum(1)
         shared = layer.shared_output(g_s)
         if shared is not None:
             recon = recon + shared.float().reshape(len(rows), -1)
         errors["recombination"] = rel_error(recon, out2.index_select(0, rows))
         if call is not None:
-            ours = (weights.float().unsqueeze(-1) * u[len(rows):].float()).sum(1)
+            hidden, index, weights = (t.reshape(len(g2), -1).index_select(0, rows) for t in call)
+            ours = (weights.float().unsqueeze(-1) * sampled[1].float()).sum(1)
             errors["experts_call"] = rel_error(ours, layer.experts_forward(hidden, index, weights))
-        return u.dtype
+        return sampled[0].dtype
 
 
 def layer_summary(host: dict[str, Any]) -> dict[str, Any]:

@@ -187,7 +187,8 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
     within the forward's own expert rows (N k), the random competitors riding along in the last; with a large
     ``token_chunk`` that is one; the anchors come in a call of their own. At its first call a layer also runs
     the experts' own forward (which its combine must equal bit for bit), as does a padded micro-batch; the
-    adapter self-check adds two calls per layer and gate, on a few tokens."""
+    adapter self-check adds one call of the experts' own forward per layer and gate, on a few tokens (their fields
+    ride in the competitors' call)."""
     cfg = CFG if mode != "one call per layer" else AtlasConfig.from_dict(
         {"receipts": {**CFG.to_dict()["receipts"], "token_chunk": 1 << 20}})
     baseline = Baseline.from_report(measure(model, canary, config=cfg)) if mode == "with drift" else None
@@ -218,10 +219,10 @@ def test_a_gate_is_one_forward_pass(model, canary, mode):
     assert expected == len(batches) * len(layers)  # a narrow model: one competitors' call per layer and micro-batch
     padded = sum(e - s < cfg.receipts.batch_windows for s, e in batches)
     # plus the active sets' calls, one call per micro-batch for the anchors a baseline collects or drift reads,
-    # the experts' own forward at each layer's first and padded calls, and the adapter self-check's two calls on
-    # SAMPLE_TOKENS tokens (fields, experts' own)
+    # the experts' own forward at each layer's first and padded calls, and the adapter self-check's call of the
+    # experts' own forward on SAMPLE_TOKENS tokens
     anchors = expected if mode in ("collecting a baseline", "with drift") else 0
-    assert calls["experts"] == 2 * expected + anchors + (1 + padded) * len(layers) + 2 * len(layers)
+    assert calls["experts"] == 2 * expected + anchors + (1 + padded) * len(layers) + len(layers)
 
 
 def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model, canary, monkeypatch):
@@ -242,7 +243,7 @@ def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model
         return original(self, hidden_states, top_k_index, *a, **kw)
 
     monkeypatch.setattr(capture, "FIELD_ROWS_BUDGET", 1)
-    # only the capture's field calls are counted here: the self-check's own two calls are left out
+    # only the capture's field calls are counted here: the self-check's call of the experts' own is left out
     monkeypatch.setattr(SelfCheck, "_expert_checks", lambda self, *a: torch.float32)
     monkeypatch.setattr(type(layers[0].experts), "forward", counting)
     chunked = measure(model, canary, config=cfg)
