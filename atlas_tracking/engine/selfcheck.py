@@ -154,14 +154,21 @@ class SelfCheck:
         col = {name: j for j, name in enumerate(CHECKS)}
         errs[:, col["gain"]] = self._per_window(layer.gain(layer.normalize(x)), g)
         same_size = isinstance(block_input, torch.Tensor) and block_input.numel() == g.numel()
-        errs[:, col["block_input"]] = self._per_window(block_input.reshape(g.shape), g) if same_size else float("inf")
+        if not same_size:
+            errs[:, col["block_input"]] = float("inf")
+        elif same_tensor(block_input, g):  # the block reads the norm's own output: no error to measure
+            errs[:, col["block_input"]] = 0.0
+        else:
+            errs[:, col["block_input"]] = self._per_window(block_input.reshape(g.shape), g)
         g2, out2 = g.reshape(-1, d), out.reshape(-1, d)
         if call is not None:
             handed = call[1].reshape(len(g2), -1).long()
-            mismatch = (torch.zeros(len(g2), dtype=torch.bool, device=g2.device) if same_tensor(handed, routing.active)
-                        else ~_same_sets(routing.active, handed))
-            shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
-            errs[:, col["active_set"]] = mismatch.view(shape).float().mean(dim=0 if layer.sequence_first else 1)
+            if same_tensor(handed, routing.active):  # the router's own choice, handed on unchanged
+                errs[:, col["active_set"]] = 0.0
+            else:
+                shape = (-1, n_windows) if layer.sequence_first else (n_windows, -1)
+                mismatch = (~_same_sets(routing.active, handed)).view(shape).float()
+                errs[:, col["active_set"]] = mismatch.mean(dim=0 if layer.sequence_first else 1)
         dtypes = [g.dtype, out.dtype, *_autocast_dtype(g.device)]
         if sampled:
             errors = dict.fromkeys(CHECKS, float("nan"))

@@ -91,10 +91,10 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) ->
     return values, cis
 
 
-def _weighted_positions(window_of: np.ndarray, mult: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each resample (row of ``mult``), the first sorted position whose cumulative weight ``c`` has
-    ``2 c >= total + offset``, where value i weighs ``mult[b, window_of[i]]`` (whole-number multiplicities);
-    and the totals. ``offset`` 0 finds the lower middle order statistic, 1 the upper one.
+def _weighted_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each resample (row of ``mult``), the lower and upper middle sorted positions: the first whose cumulative
+    weight ``c`` has ``2 c >= total`` and ``2 c >= total + 1``, where value i weighs ``mult[b, window_of[i]]``
+    (whole-number multiplicities); and the totals.
 
     Exact, in two passes that keep the working set to ``O(B sqrt(n) + W sqrt(n))``: cumulative weights at
     block ends (one matrix product) find each resample's block, then one block is scanned per resample.
@@ -106,15 +106,18 @@ def _weighted_positions(window_of: np.ndarray, mult: np.ndarray, offset: int) ->
     counts_to_end = np.cumsum(per_block.reshape(n_blocks, mult.shape[1]), axis=0)
     cum_end = mult @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
     total = cum_end[:, -1]
-    target = total + offset
-    block = np.argmax(2 * cum_end >= target[:, None], axis=1)
-    before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
-    pos = block[:, None] * blk + np.arange(blk)
-    inside = pos < n
-    pos = np.minimum(pos, n - 1)
-    weights = np.where(inside, mult[np.arange(n_boot)[:, None], window_of[pos]], 0)
-    within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= target[:, None], axis=1)
-    return block * blk + within, total
+    positions = []
+    for offset in (0, 1):
+        target = total + offset
+        block = np.argmax(2 * cum_end >= target[:, None], axis=1)
+        before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
+        pos = block[:, None] * blk + np.arange(blk)
+        inside = pos < n
+        pos = np.minimum(pos, n - 1)
+        weights = np.where(inside, mult[np.arange(n_boot)[:, None], window_of[pos]], 0)
+        within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= target[:, None], axis=1)
+        positions.append(block * blk + within)
+    return positions[0], positions[1], total
 
 
 def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level: float) -> tuple[float, list]:
@@ -136,8 +139,7 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
     mult = float_multiplicity(idx, len(per_window_values))
-    lower, total = _weighted_positions(window_of, mult, 0)
-    upper, _ = _weighted_positions(window_of, mult, 1)
+    lower, upper, total = _weighted_positions(window_of, mult)
     samples = np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
