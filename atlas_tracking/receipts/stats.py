@@ -65,7 +65,11 @@ def float_multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
 def ratio_samples(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Bootstrap replicates of the pooled ratio (a resample re-counts whole windows by multiplicity)."""
     pair = np.stack([np.asarray(sums, np.float64), np.asarray(counts, np.float64)], axis=1)
-    s, c = (float_multiplicity(idx, len(pair)) @ pair).T
+    return _resampled_ratio(*(float_multiplicity(idx, len(pair)) @ pair).T)
+
+
+def _resampled_ratio(s: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``s / c`` of resampled sums and counts; NaN where a resample counted nothing."""
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)
 
@@ -86,9 +90,7 @@ def ratio_cis(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: floa
     """
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
     mult = float_multiplicity(idx, sums.shape[1])
-    s, c = mult @ sums.T, mult @ counts.T  # [resamples, R]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        samples = np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)
+    samples = _resampled_ratio(mult @ sums.T, mult @ counts.T)  # [resamples, R]
     alpha = (1.0 - level) / 2.0
     out = np.full((len(sums), 2), np.nan)
     whole = np.isfinite(samples).all(axis=0)
