@@ -274,6 +274,9 @@ class LayerCapture:
         """How the anchors being collected are stored (docs/receipts.md#compact-anchors)."""
         self.evaluator: FieldEvaluator = field_evaluator(layer)
         self.carries = field_carriers(layer, acc.device)
+        windows, positions = (torch.arange(n, device=acc.device) for n in (acc.n_windows, acc.window))
+        self.draws = hash_uniform(config.seed, layer.ordinal, windows.view(-1, 1), positions.view(1, -1)).int()
+        """``[W, L]`` the random competitor's draw at every (window, position) of this process's canary."""
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.gamma0: torch.Tensor | None = None
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
@@ -296,6 +299,8 @@ class LayerCapture:
         acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
                                                 device=acc.device)
         self.check = SelfCheck(layer, acc)
+        self._zero3 = any(hasattr(p, "ds_status") for m in (layer.norm, layer.router, layer.block) for p in m.parameters())
+        """Whether any parameter the hooks read is ZeRO-3 managed (else :meth:`_parameters` gathers nothing)."""
         self._handles: list[Any] = []
         self._autocast: tuple[str, bool, torch.dtype] = ("cpu", False, torch.bfloat16)
         self.calls = 0
@@ -359,6 +364,8 @@ class LayerCapture:
         """The norm's and router's parameters gathered while the hooks read them outside their own forward;
         at the gate's first call the whole block's, whose experts and shared experts the self-check evaluates
         there (every rank makes that call, so a ZeRO-3 gather is matched on every rank)."""
+        if not self._zero3:
+            return contextlib.nullcontext()
         return gathered([self.layer.norm, self.layer.router] + ([self.layer.block] if self.calls == 0 else []))
 
     def _on_norm(self, module, inputs, output) -> None:
@@ -480,8 +487,8 @@ class LayerCapture:
         in_b, order = boundary_set_and_order(sm.margin.view(bw, seq), sm.valid.view(bw, seq), cfg.boundary_q)
         # boundary candidates: a fixed number per window (no host sync); in_b masks the real set
         local_pos = order[:, : max(1, boundary_count(seq, cfg.boundary_q))]
-        b_pos = (local_pos + torch.arange(bw, device=g_native.device).view(-1, 1) * seq).reshape(-1)
-        draws = hash_uniform(cfg.seed, layer.ordinal, b_pos // seq + w0, b_pos % seq)
+        b_pos = (local_pos + torch.arange(0, bw * seq, seq, device=g_native.device).view(-1, 1)).reshape(-1)
+        draws = self.draws.to(b_pos.device)[w0 : w0 + bw].reshape(-1).index_select(0, b_pos)
         e_rand, has_rand = random_competitor(
             routing.scores.index_select(0, b_pos), routing.active.index_select(0, b_pos),
             sm.e_k1.index_select(0, b_pos), draws)
@@ -577,7 +584,7 @@ class LayerCapture:
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
         d, dev = g2.shape[-1], g2.device
-        chosen = torch.cat([routing.active, sel.sm.e_k1.view(-1, 1)], dim=1)
+        chosen = sel.sm.e_k1.view(-1, 1) if handed is not None else torch.cat([routing.active, sel.sm.e_k1.view(-1, 1)], 1)
         s_active = routing.scores.gather(1, routing.active)
         pos_k = s_active.argmin(dim=1)
         rho, rho_k = routing.rho, routing.rho.gather(1, pos_k.view(-1, 1)).squeeze(1)
@@ -606,14 +613,14 @@ class LayerCapture:
                 self._pair_call([], g2)
                 continue
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
-            asked = chosen[t0:t1] if active_u is None else chosen[t0:t1, k:]
+            asked = chosen[t0:t1]
             u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
             u, z = u_groups[0].float(), zh[t0:t1]
             u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
             v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
                                                    cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
-            v_k[t0:t1] = v[torch.arange(t1 - t0, device=dev), pos_k[t0:t1]]
+            v_k[t0:t1] = v.view(-1, d).index_select(0, torch.arange(0, (t1 - t0) * k, k, device=dev) + pos_k[t0:t1])
             v_k1 = tangent_project(u[:, -1], z)
             field = torch.bmm(rho_fields[t0:t1].unsqueeze(1), v).squeeze(1)
             d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
@@ -657,35 +664,33 @@ class LayerCapture:
             return stash
         routing, sm, in_b = sel.routing, sel.sm, sel.in_b
         valid = sm.valid
-        win_local = torch.arange(bw, device=x2.device).repeat_interleave(seq)
 
         # routing self-consistency: re-route the post-update state through the same norm and router
         with self._model_arithmetic():
             post = layer.route_active(layer.norm.forward(x2 + out2))
         ov = set_overlap(routing.active, post)
 
-        # every per-window sum and count of the micro-batch in two masked reductions
+        # every per-window sum and count of the micro-batch: a masked sum over tokens, one over candidates
         rows, arr = slice(w0, w1), acc.arrays
         in_b_adj = in_b & fr.adj_fields
-        masks = torch.stack([
+        n_means, n_masks = len(_TOKEN_MEANS), len(acc.counts) - len(_LAST_COUNTS)
+        tokens = torch.stack([
             valid, fr.c2_ok, torch.ones_like(valid), in_b_adj, valid & ~in_b & fr.adj_fields,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
             ~valid, self.rank_violations(sm, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
-        ])
-        n_means = len(_TOKEN_MEANS)
-        values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float()
-        acc.sums[:n_means, rows] += torch.where(masks[:n_means], values, 0.0).view(n_means, bw, seq).sum(-1)
-        acc.counts[: len(masks), rows] += masks.view(len(masks), bw, seq).sum(-1)
-        rand_ok = (sel.rand_ok & fr.rand_fields).view(bw, -1)  # candidates are window-major
-        acc.sums[n_means, rows] += torch.where(rand_ok, fr.d_rand.view(bw, -1), 0.0).sum(1)
-        acc.counts[-4, rows] += rand_ok.sum(1)
-        acc.counts[-3, rows] += sel.no_rand.view(bw, -1).sum(1)
-        if routing.dropped is not None:
-            acc.counts[-2, rows] += routing.dropped.view(bw, seq, -1).sum((1, 2))
-        acc.counts[-1, rows] += ((valid & ~fr.adj_fields).view(bw, seq).sum(1)
-                                 + (sel.rand_ok & ~fr.rand_fields).view(bw, -1).sum(1))
+            valid & ~fr.adj_fields,  # zero-expert pairs at the adjacent competitor
+        ]).view(n_masks + 1, bw, seq)
+        rand_ok = sel.rand_ok & fr.rand_fields
+        candidates = torch.stack([rand_ok, sel.no_rand, sel.rand_ok & ~fr.rand_fields]).view(3, bw, -1)  # window-major
+        values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float().view(n_means, bw, seq)
+        acc.sums[:, rows] += torch.cat([torch.where(tokens[:n_means], values, 0.0).sum(-1),
+                                        torch.where(candidates[0], fr.d_rand.view(bw, -1), 0.0).sum(1, keepdim=True).T])
+        n_tok, n_cand = tokens.sum(-1), candidates.sum(-1)
+        dropped = (torch.zeros_like(n_cand[:1]) if routing.dropped is None
+                   else routing.dropped.view(1, bw, -1).sum(-1))
+        acc.counts[:, rows] += torch.cat([n_tok[:n_masks], n_cand[:2], dropped, n_tok[n_masks:] + n_cand[2:]])
         arr["jump"][rows] = torch.where(in_b_adj, fr.jump, float("nan")).view(bw, seq)
-        arr["load"][rows] += window_loads(routing.active, win_local, bw, layer.num_experts)
+        arr["load"][rows] += window_loads(routing.active, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)

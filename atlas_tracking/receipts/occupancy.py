@@ -19,13 +19,16 @@ import numpy as np
 import torch
 
 
-def window_loads(active: torch.Tensor, window_of_token: torch.Tensor, n_windows: int, n_experts: int) -> torch.Tensor:
-    """``[n_windows, E]`` counts of tokens that routed to each expert, per window (int64, on device)."""
-    k = active.shape[1]
-    flat = window_of_token.repeat_interleave(k) * n_experts + active.reshape(-1)
-    counts = torch.zeros(n_windows * n_experts, dtype=torch.int64, device=active.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    return counts.view(n_windows, n_experts)
+def window_loads(active: torch.Tensor, n_windows: int, n_experts: int) -> torch.Tensor:
+    """``[n_windows, E]`` counts of tokens that routed to each expert, per window (int64, on device), from the
+    window-major active sets ``[n_windows * T, k]`` (each window's ``T`` tokens in a row).
+
+    >>> window_loads(torch.tensor([[0, 1], [1, 2], [2, 3], [2, 0]]), n_windows=2, n_experts=4).tolist()
+    [[1, 2, 1, 0], [1, 0, 2, 1]]
+    """
+    index = active.reshape(n_windows, -1)
+    counts = torch.zeros(n_windows, n_experts, dtype=torch.int64, device=active.device)
+    return counts.scatter_add_(1, index, index.new_ones(()).expand_as(index))
 
 
 def smin(values: np.ndarray, beta: float) -> float:

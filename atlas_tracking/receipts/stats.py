@@ -88,13 +88,23 @@ def ratio_cis(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: floa
     >>> np.allclose(together[0], ratio_ci(sums[0], counts[0], idx, 0.95)), together[1].tolist()
     (True, [0.0, 0.0])
     """
+    return percentile_cis(ratio_sample_matrix(sums, counts, idx), level)
+
+
+def ratio_sample_matrix(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """:func:`ratio_samples` of several pooled ratios (``sums`` and ``counts`` ``[R, W]``): ``[resamples, R]``."""
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
     mult = float_multiplicity(idx, sums.shape[1])
-    samples = _resampled_ratio(mult @ sums.T, mult @ counts.T)  # [resamples, R]
+    return _resampled_ratio(mult @ sums.T, mult @ counts.T)
+
+
+def percentile_cis(samples: np.ndarray, level: float) -> np.ndarray:
+    """:func:`percentile_ci` of every column of ``samples`` ``[resamples, R]``: ``[R, 2]``, with one quantile call
+    for the columns that every resample defines."""
     alpha = (1.0 - level) / 2.0
-    out = np.full((len(sums), 2), np.nan)
+    out = np.full((samples.shape[1], 2), np.nan)
     whole = np.isfinite(samples).all(axis=0)
-    if whole.any():  # one quantile call for the ratios every resample defines
+    if whole.any():
         out[whole] = np.quantile(samples[:, whole], [alpha, 1.0 - alpha], axis=0).T
     for r in np.flatnonzero(~whole):
         out[r] = percentile_ci(samples[:, r], level)

@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
-from atlas_tracking.receipts.stats import bootstrap_indices, diff_ci, float_multiplicity, ratio, ratio_cis
+from atlas_tracking.receipts.stats import (
+    bootstrap_indices,
+    float_multiplicity,
+    percentile_cis,
+    ratio,
+    ratio_sample_matrix,
+)
 
 RATIO_RECEIPTS: tuple[str, ...] = (
     "margin_mean",
@@ -76,18 +82,39 @@ def _f(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
 
 
-def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float) -> tuple[dict, dict]:
+def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float,
+                   axes: dict[str, tuple[str, str]] | None = None) -> tuple[dict, dict]:
     """Pooled ratio receipts and their CIs for every ``{name: {"sum", "count"}}`` entry present, and the boundary
-    mass at each delta (``boundary_mass@delta``), resampled together."""
+    mass at each delta (``boundary_mass@delta``), resampled together; with ``axes`` (``{axis: (a, b)}``, as
+    :data:`V2_AXES`) also each difference ``a - b``, its CI from the same resamples (paired) and ``axis_pass``
+    (the CI's upper end below 0), None where either side is absent.
+
+    >>> w = {"a": {"sum": [0.2, 0.1], "count": [1, 1]}, "b": {"sum": [0.5, 0.7], "count": [1, 1]}}
+    >>> vals, cis = ratio_receipts(w, bootstrap_indices(2, 50, 0), 0.95, {"gap": ("a", "b")})
+    >>> round(vals["gap"], 3), vals["gap_pass"]
+    (-0.45, True)
+    """
+    axes = axes or {}
     entries = {name: entry for name, entry in per_window.items() if isinstance(entry, dict) and "sum" in entry}
     entries.update({f"boundary_mass@{name}": entry for name, entry in per_window.get("boundary_mass", {}).items()})
-    if not entries:
-        return {}, {}
-    sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in entries.values()])
-    counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in entries.values()])
-    bounds = ratio_cis(sums, counts, idx, level)
-    values = {name: _f(ratio(s, c)) for name, s, c in zip(entries, sums, counts)}
-    cis = {name: [_f(lo), _f(hi)] for name, (lo, hi) in zip(entries, bounds.tolist())}
+    values: dict[str, Any] = {}
+    cis: dict[str, Any] = {}
+    bounds: dict[str, list[float]] = {}
+    if entries:
+        sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in entries.values()])
+        counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in entries.values()])
+        values = {name: _f(ratio(s, c)) for name, s, c in zip(entries, sums, counts)}
+        samples = ratio_sample_matrix(sums, counts, idx)
+        column = {name: j for j, name in enumerate(entries)}
+        paired = {axis: samples[:, column[a]] - samples[:, column[b]] for axis, (a, b) in axes.items()
+                  if values.get(a) is not None and values.get(b) is not None}
+        bounds = dict(zip([*entries, *paired], percentile_cis(np.column_stack([samples, *paired.values()]), level).tolist()))
+        cis = {name: [_f(lo), _f(hi)] for name, (lo, hi) in bounds.items() if name in entries}
+    for axis, (a, b) in axes.items():
+        lo, hi = bounds.get(axis, (math.nan, math.nan))
+        values[axis] = _f(values[a] - values[b]) if axis in bounds else None
+        cis[axis] = [_f(lo), _f(hi)]
+        values[axis + "_pass"] = bool(hi < 0) if math.isfinite(hi) else None
     return values, cis
 
 
@@ -143,30 +170,17 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     samples = np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
     samples = samples[np.isfinite(samples)]
     alpha = (1.0 - level) / 2.0
-    ci = [_f(float(np.quantile(samples, alpha))), _f(float(np.quantile(samples, 1 - alpha)))] if samples.size else [None, None]
+    ci = [_f(float(q)) for q in np.quantile(samples, [alpha, 1 - alpha])] if samples.size else [None, None]
     return float(np.median(flat)), ci
-
-
-def _v2(per_window: dict[str, Any], idx: np.ndarray, level: float, values: dict, cis: dict) -> None:
-    for axis, (a, b) in V2_AXES.items():
-        if a not in per_window or b not in per_window or values.get(a) is None or values.get(b) is None:
-            values[axis], cis[axis], values[axis + "_pass"] = None, [None, None], None
-            continue
-        pa, pb = per_window[a], per_window[b]
-        values[axis] = _f(values[a] - values[b])
-        lo, hi = diff_ci(
-            np.asarray(pa["sum"], float), np.asarray(pa["count"], float),
-            np.asarray(pb["sum"], float), np.asarray(pb["count"], float), idx, level,
-        )
-        cis[axis] = [_f(lo), _f(hi)]
-        values[axis + "_pass"] = bool(hi < 0) if math.isfinite(hi) else None
 
 
 def layer_receipts(
     per_window: dict[str, Any], cell_counts: list[int], n_tokens: int, beta_pi: float, idx: np.ndarray, level: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """All per-window-derived receipts of one layer: occupancy, ratios, boundary mass, V2 axes."""
-    values, cis = ratio_receipts(per_window, idx, level)
+    values, cis = ratio_receipts(per_window, idx, level, V2_AXES)
+    v2 = ({k: values.pop(k) for axis in V2_AXES for k in (axis, axis + "_pass")},
+          {axis: cis.pop(axis) for axis in V2_AXES})  # the V2 axes come last in a layer's receipts
     loads = np.asarray(per_window["load"], dtype=np.int64)
     p_mass = np.asarray(per_window["p_mass_total"], dtype=np.float64)
     values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
@@ -177,7 +191,8 @@ def layer_receipts(
     for key in COUNTERS:
         if key in per_window:
             values[key] = int(np.sum(per_window[key]))
-    _v2(per_window, idx, level, values, cis)
+    values.update(v2[0])
+    cis.update(v2[1])
     return values, cis
 
 

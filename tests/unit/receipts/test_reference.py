@@ -179,7 +179,7 @@ def test_occupancy_cells_and_overlap(seed):
     n_tok, n_exp, k = 50, 7, 2
     active = np.stack([rng.choice(n_exp, size=k, replace=False) for _ in range(n_tok)])
     win = np.repeat(np.arange(5), 10)
-    loads = occupancy.window_loads(torch.tensor(active), torch.tensor(win), 5, n_exp).numpy()
+    loads = occupancy.window_loads(torch.tensor(active), 5, n_exp).numpy()  # window-major: 10 tokens each
     for w in range(5):
         for e in range(n_exp):
             assert loads[w, e] == sum(1 for t in range(n_tok) if win[t] == w and e in active[t])
