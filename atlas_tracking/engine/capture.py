@@ -276,7 +276,7 @@ class LayerCapture:
         self.carries = field_carriers(layer, acc.device)
         windows, positions = (torch.arange(n, device=acc.device) for n in (acc.n_windows, acc.window))
         self.draws = hash_uniform(config.seed, layer.ordinal, windows.view(-1, 1), positions.view(1, -1)).int()
-        """``[W, L]`` the random competitor's draw at every (window, position) of this process's canary."""
+        """``[W, L]`` the random competitor's draw at every (window, position) of the canary."""
         self.collected: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.gamma0: torch.Tensor | None = None
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
