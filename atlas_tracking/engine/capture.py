@@ -687,7 +687,7 @@ class LayerCapture:
                                         torch.where(candidates[0], fr.d_rand.view(bw, -1), 0.0).sum(1, keepdim=True).T])
         n_tok, n_cand = tokens.sum(-1), candidates.sum(-1)
         dropped = (torch.zeros_like(n_cand[:1]) if routing.dropped is None
-                   else routing.dropped.view(1, bw, -1).sum(-1))
+                   else routing.dropped.reshape(1, bw, -1).sum(-1))
         acc.counts[:, rows] += torch.cat([n_tok[:n_masks], n_cand[:2], dropped, n_tok[n_masks:] + n_cand[2:]])
         arr["jump"][rows] = torch.where(in_b_adj, fr.jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, bw, layer.num_experts)

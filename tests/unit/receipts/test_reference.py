@@ -252,6 +252,23 @@ def test_bootstrap_helpers_reference():
     assert abs(dlo - np.quantile(dreps, 0.05)) < 1e-12 and abs(dhi - np.quantile(dreps, 0.95)) < 1e-12
 
 
+def test_v2_axes_are_paired_differences_on_the_same_resamples():
+    """``ratio_receipts`` with axes: ``a - b`` and its CI from resamples that re-count the same windows on both sides,
+    a plain loop per resample; an axis with an empty side is None."""
+    a_s, a_c = np.array([0.4, 0.9, 0.2, 0.6, 0.5]), np.array([1.0, 2.0, 1.0, 2.0, 1.0])
+    b_s, b_c = np.array([1.5, 0.5, 2.0, 1.0, 0.5]), np.array([2.0, 1.0, 3.0, 2.0, 1.0])
+    per_window = {"a": {"sum": a_s, "count": a_c}, "b": {"sum": b_s, "count": b_c},
+                  "empty": {"sum": np.zeros(5), "count": np.zeros(5)}}
+    idx = stats.bootstrap_indices(5, 400, seed=3)
+    values, cis = windows.ratio_receipts(per_window, idx, 0.9, {"gap": ("a", "b"), "none": ("a", "empty")})
+    reps = [sum(a_s[i] for i in row) / sum(a_c[i] for i in row) - sum(b_s[i] for i in row) / sum(b_c[i] for i in row)
+            for row in idx]
+    assert abs(values["gap"] - (a_s.sum() / a_c.sum() - b_s.sum() / b_c.sum())) < 1e-12
+    assert np.allclose(cis["gap"], np.quantile(reps, [0.05, 0.95]), rtol=0, atol=1e-12)
+    assert values["gap_pass"] == (np.quantile(reps, 0.95) < 0)
+    assert values["none"] is None and cis["none"] == [None, None] and values["none_pass"] is None
+
+
 @pytest.mark.parametrize("per_window", [
     [[0.5, 0.1], [0.9], [], [0.3, 0.7, 0.2]],  # 6 values: the median is the mean of the two middle ones
     [[0.5, 0.1], [0.9], [0.4], [0.3, 0.7, 0.2]],  # 7 values
