@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from atlas_tracking.receipts.stats import percentile_ci, ratio, ratio_samples
+from atlas_tracking.receipts.stats import percentile_ci, ratio, ratio_sample_matrix
 
 TERMINAL_BAND = 3
 """Default band: the routed layers before the terminal one whose mean ``ov_cf`` the terminal jump is taken
@@ -61,7 +61,7 @@ def terminal_cliff(ov_cf: list[dict[str, Any]], idx: np.ndarray, level: float,
     if n < 2:
         return out
     b = max(1, min(band, n - 1))
-    samples = np.vstack([ratio_samples(s, c, idx) for s, c in zip(sums, counts)])  # [L, R]
+    samples = ratio_sample_matrix(np.array(sums), np.array(counts), idx).T  # [L, R]
     terminal = profile[-1] - profile[-1 - b:-1].mean()
     adjacent = profile[-1] - profile[-2]
     out["ov_cf_terminal_jump"], out["ov_cf_adjacent_jump"] = _f(terminal), _f(adjacent)

@@ -64,14 +64,7 @@ def float_multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
 
 def ratio_samples(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Bootstrap replicates of the pooled ratio (a resample re-counts whole windows by multiplicity)."""
-    pair = np.stack([np.asarray(sums, np.float64), np.asarray(counts, np.float64)], axis=1)
-    return _resampled_ratio(*(float_multiplicity(idx, len(pair)) @ pair).T)
-
-
-def _resampled_ratio(s: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """``s / c`` of resampled sums and counts; NaN where a resample counted nothing."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)
+    return ratio_sample_matrix(np.asarray(sums)[None], np.asarray(counts)[None], idx)[:, 0]
 
 
 def ratio_ci(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray, level: float) -> tuple[float, float]:
@@ -95,7 +88,9 @@ def ratio_sample_matrix(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -
     """:func:`ratio_samples` of several pooled ratios (``sums`` and ``counts`` ``[R, W]``): ``[resamples, R]``."""
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
     mult = float_multiplicity(idx, sums.shape[1])
-    return _resampled_ratio(mult @ sums.T, mult @ counts.T)
+    s, c = mult @ sums.T, mult @ counts.T
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)  # NaN where a resample counted nothing
 
 
 def percentile_cis(samples: np.ndarray, level: float) -> np.ndarray:

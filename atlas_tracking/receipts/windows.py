@@ -23,6 +23,7 @@ from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
 from atlas_tracking.receipts.stats import (
     bootstrap_indices,
     float_multiplicity,
+    percentile_ci,
     percentile_cis,
     ratio,
     ratio_sample_matrix,
@@ -168,10 +169,7 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     mult = float_multiplicity(idx, len(per_window_values))
     lower, upper, total = _weighted_positions(window_of, mult)
     samples = np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
-    samples = samples[np.isfinite(samples)]
-    alpha = (1.0 - level) / 2.0
-    ci = [_f(float(q)) for q in np.quantile(samples, [alpha, 1 - alpha])] if samples.size else [None, None]
-    return float(np.median(flat)), ci
+    return float(np.median(flat)), [_f(v) for v in percentile_ci(samples, level)]
 
 
 def layer_receipts(
