@@ -623,8 +623,9 @@ class LayerCapture:
             v_k[t0:t1] = v.view(-1, d).index_select(0, torch.arange(0, (t1 - t0) * k, k, device=dev) + pos_k[t0:t1])
             v_k1 = tangent_project(u[:, -1], z)
             field = torch.bmm(rho_fields[t0:t1].unsqueeze(1), v).squeeze(1)
-            d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d)
-            jump[t0:t1] = jump_ratio(rho_k[t0:t1], v_k[t0:t1], v_k1, field)
+            gap = (v_k[t0:t1] - v_k1).norm(dim=-1)  # ||v_k - v_k1||: read by the distance and the jump
+            d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d, gap)
+            jump[t0:t1] = jump_ratio(rho_k[t0:t1], gap, field)
             if t1 == n:
                 u_rand, *sampled = u_groups[1:]
         u_anchors = self._anchor_calls(anchors, g2)
@@ -668,7 +669,7 @@ class LayerCapture:
         # routing self-consistency: re-route the post-update state through the same norm and router
         with self._model_arithmetic():
             post = layer.route_active(layer.norm.forward(x2 + out2))
-        ov = set_overlap(routing.active, post)
+        ov = set_overlap(routing.active, post, layer.num_experts)
 
         # every per-window sum and count of the micro-batch: a masked sum over tokens, one over candidates
         rows, arr = slice(w0, w1), acc.arrays

@@ -2,7 +2,7 @@
 
 Example:
     >>> import torch
-    >>> set_overlap(torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 0], [2, 5]])).tolist()
+    >>> set_overlap(torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 0], [2, 5]]), n_experts=6).tolist()
     [1.0, 0.5]
 """
 
@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def set_overlap(active_a: torch.Tensor, active_b: torch.Tensor) -> torch.Tensor:
-    """Per-token ``|R_a ∩ R_b| / k`` for two ``[N, k]`` active sets (order inside a set is ignored)."""
+def set_overlap(active_a: torch.Tensor, active_b: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Per-token ``|R_a ∩ R_b| / k`` for two ``[N, k]`` active sets of expert ids below ``n_experts`` (order
+    inside a set is ignored): ``R_a`` as ``[N, E]`` indicators, read at ``R_b`` (a set holds each expert once)."""
     k = active_a.shape[1]
-    hits = (active_a.unsqueeze(2) == active_b.unsqueeze(1)).sum(dim=(1, 2))  # a set holds each expert once
+    member = torch.zeros(active_a.shape[0], n_experts, dtype=torch.bool, device=active_a.device)
+    hits = member.scatter_(1, active_a, True).gather(1, active_b).sum(dim=1)
     return hits.to(torch.float32) / k

@@ -115,9 +115,11 @@ def c2_from_gram(
     return c2 / total.clamp_min(tiny), total > 0.5 * tiny  # valid: the weights normalise
 
 
-def redundancy_distance(va: torch.Tensor, vb: torch.Tensor, eps: float) -> torch.Tensor:
-    """``D(a, b) = ||v_a - v_b|| / (||v_a|| + ||v_b|| + eps)`` in ``[0, 1]`` (docs/receipts.md#v2-axes)."""
-    return (va - vb).norm(dim=-1) / (va.norm(dim=-1) + vb.norm(dim=-1) + eps)
+def redundancy_distance(va: torch.Tensor, vb: torch.Tensor, eps: float, gap: torch.Tensor | None = None) -> torch.Tensor:
+    """``D(a, b) = ||v_a - v_b|| / (||v_a|| + ||v_b|| + eps)`` in ``[0, 1]`` (docs/receipts.md#v2-axes); ``gap`` is
+    ``||v_a - v_b||`` where the caller already has it (the one-swap jump reads the same norm)."""
+    gap = (va - vb).norm(dim=-1) if gap is None else gap
+    return gap / (va.norm(dim=-1) + vb.norm(dim=-1) + eps)
 
 
 def swap_jump(v_active: torch.Tensor, rho: torch.Tensor, pos_k: torch.Tensor, v_k1: torch.Tensor) -> torch.Tensor:
@@ -128,12 +130,12 @@ def swap_jump(v_active: torch.Tensor, rho: torch.Tensor, pos_k: torch.Tensor, v_
     idx = pos_k.view(-1, 1, 1).expand(-1, 1, v_active.shape[-1])
     v_k = v_active.gather(1, idx).squeeze(1)
     field = (rho.unsqueeze(-1) * v_active).sum(dim=1)
-    return jump_ratio(rho.gather(1, pos_k.view(-1, 1)).squeeze(1), v_k, v_k1, field)
+    return jump_ratio(rho.gather(1, pos_k.view(-1, 1)).squeeze(1), (v_k1 - v_k).norm(dim=-1), field)
 
 
-def jump_ratio(rho_k: torch.Tensor, v_k: torch.Tensor, v_k1: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
-    """:func:`swap_jump` from its parts: ``rho_{e_k}`` ``[N]``, the two fields ``[N, d]`` and the routed
-    tangent field ``sum_e rho_e v_e`` ``[N, d]``."""
-    jump = rho_k * (v_k1 - v_k).norm(dim=-1)
+def jump_ratio(rho_k: torch.Tensor, gap: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
+    """:func:`swap_jump` from its parts: ``rho_{e_k}`` ``[N]``, the swap's field gap ``||v_{e_k1} - v_{e_k}||``
+    ``[N]`` and the routed tangent field ``sum_e rho_e v_e`` ``[N, d]``."""
+    jump = rho_k * gap
     norm = field.norm(dim=-1)
     return jump / norm.clamp_min(torch.finfo(norm.dtype).tiny)

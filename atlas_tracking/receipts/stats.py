@@ -36,8 +36,22 @@ def multiplicity(idx: np.ndarray, n_windows: int) -> np.ndarray:
 
 def ratio(sums: np.ndarray, counts: np.ndarray) -> float:
     """Pooled mean ``sum(sums) / sum(counts)``; NaN when nothing was counted."""
-    total = float(np.sum(counts))
-    return float(np.sum(sums)) / total if total > 0 else math.nan
+    return float(pooled_ratios(sums, counts))
+
+
+def pooled_ratios(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """:func:`ratio` along the last axis (``sums`` and ``counts`` ``[R, W]`` give ``[R]``).
+
+    >>> pooled_ratios(np.array([[1.0, 2.0], [0.0, 0.0]]), np.array([[1, 2], [0, 0]])).tolist()
+    [1.0, nan]
+    """
+    return _divide(np.asarray(sums, np.float64).sum(axis=-1), np.asarray(counts, np.float64).sum(axis=-1))
+
+
+def _divide(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``sums / counts``, NaN where nothing was counted."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
 
 
 def percentile_ci(samples: np.ndarray, level: float) -> tuple[float, float]:
@@ -88,9 +102,7 @@ def ratio_sample_matrix(sums: np.ndarray, counts: np.ndarray, idx: np.ndarray) -
     """:func:`ratio_samples` of several pooled ratios (``sums`` and ``counts`` ``[R, W]``): ``[resamples, R]``."""
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
     mult = float_multiplicity(idx, sums.shape[1])
-    s, c = mult @ sums.T, mult @ counts.T
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(c > 0, s / np.where(c > 0, c, 1.0), np.nan)  # NaN where a resample counted nothing
+    return _divide(mult @ sums.T, mult @ counts.T)  # NaN where a resample counted nothing
 
 
 def percentile_cis(samples: np.ndarray, level: float) -> np.ndarray:

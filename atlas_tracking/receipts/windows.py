@@ -25,7 +25,7 @@ from atlas_tracking.receipts.stats import (
     float_multiplicity,
     percentile_ci,
     percentile_cis,
-    ratio,
+    pooled_ratios,
     ratio_sample_matrix,
 )
 
@@ -104,7 +104,7 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float,
     if entries:
         sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in entries.values()])
         counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in entries.values()])
-        values = {name: _f(ratio(s, c)) for name, s, c in zip(entries, sums, counts)}
+        values = {name: _f(v) for name, v in zip(entries, pooled_ratios(sums, counts).tolist())}
         samples = ratio_sample_matrix(sums, counts, idx)
         column = {name: j for j, name in enumerate(entries)}
         paired = {axis: samples[:, column[a]] - samples[:, column[b]] for axis, (a, b) in axes.items()
@@ -125,27 +125,27 @@ def _weighted_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.nda
     (whole-number multiplicities); and the totals.
 
     Exact, in two passes that keep the working set to ``O(B sqrt(n) + W sqrt(n))``: cumulative weights at
-    block ends (one matrix product) find each resample's block, then one block is scanned per resample.
+    block ends (one matrix product) find each resample's block, then one block is scanned per resample and
+    middle position. Resamples run along the last axis, so each pass is a few whole-array operations.
     """
-    n, n_boot = len(window_of), mult.shape[0]
+    n, (n_boot, n_win) = len(window_of), mult.shape
     blk = max(1, math.isqrt(n))
     n_blocks = -(-n // blk)
-    per_block = np.bincount(np.arange(n) // blk * mult.shape[1] + window_of, minlength=n_blocks * mult.shape[1])
-    counts_to_end = np.cumsum(per_block.reshape(n_blocks, mult.shape[1]), axis=0)
-    cum_end = mult @ counts_to_end.T.astype(np.float64)  # [B, blocks], exact integers
-    total = cum_end[:, -1]
-    positions = []
-    for offset in (0, 1):
-        target = total + offset
-        block = np.argmax(2 * cum_end >= target[:, None], axis=1)
-        before = np.where(block > 0, cum_end[np.arange(n_boot), block - 1], 0.0)
-        pos = block[:, None] * blk + np.arange(blk)
-        inside = pos < n
-        pos = np.minimum(pos, n - 1)
-        weights = np.where(inside, mult[np.arange(n_boot)[:, None], window_of[pos]], 0)
-        within = np.argmax(2 * (before[:, None] + np.cumsum(weights, axis=1)) >= target[:, None], axis=1)
-        positions.append(block * blk + within)
-    return positions[0], positions[1], total
+    per_block = np.bincount(np.arange(n) // blk * n_win + window_of, minlength=n_blocks * n_win)
+    counts_to_end = np.cumsum(per_block.reshape(n_blocks, n_win), axis=0).astype(np.float64)
+    cum_end = np.zeros((n_blocks + 1, n_boot))  # weight before each block and in all: [1 + blocks, B], exact integers
+    np.matmul(counts_to_end, mult.T, out=cum_end[1:])
+    total = cum_end[-1]
+    targets = np.stack([total, total + 1.0])[:, None, :]  # [2, 1, B]: the lower and the upper middle
+    block = np.minimum((2 * cum_end[1:] < targets).sum(axis=1), n_blocks - 1)  # [2, B]
+    resample = np.arange(n_boot)
+    before = cum_end.ravel().take(block * n_boot + resample)
+    padded = np.append(window_of, np.full(n_blocks * blk - n, n_win))  # past the last value: a window of weight 0
+    weight_of = np.append(mult.T.ravel(), np.zeros(n_boot))  # [(W + 1) B], window-major
+    scanned = padded.take(block[:, None, :] * blk + np.arange(blk)[:, None])  # [2, blk, B]: windows of the block
+    cum = before[:, None, :] + np.cumsum(weight_of.take(scanned * n_boot + resample), axis=1)
+    pos = np.minimum(block * blk + (2 * cum < targets).sum(axis=1), n - 1)  # in range where total is 0
+    return pos[0], pos[1], total
 
 
 def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level: float) -> tuple[float, list]:

@@ -208,7 +208,7 @@ def test_occupancy_cells_and_overlap(seed):
     mu = [c / n_tok for c in ref.values()]
     assert cs["cells_visited"] == len(ref) and abs(cs["cell_entropy"] + sum(p * math.log(p) for p in mu)) < 1e-12
     other = np.stack([rng.choice(n_exp, size=k, replace=False) for _ in range(n_tok)])
-    ov = consistency.set_overlap(torch.tensor(active), torch.tensor(other)).numpy()
+    ov = consistency.set_overlap(torch.tensor(active), torch.tensor(other), n_exp).numpy()
     for t in range(n_tok):
         assert ov[t] == len(set(active[t]) & set(other[t])) / k
 
