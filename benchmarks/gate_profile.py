@@ -5,7 +5,9 @@ forward over the canary, of a gate (fused mode, no baseline) and of a gate again
 ratios, and the functions a profiled gate spends most of its own time in (``cProfile``, seconds of the profiled
 run: the profiler's overhead inflates them alike), for freshly initialised Qwen3-MoE models of width 64 with
 k = 8: 24 routed layers x 128 experts and 8 routed layers x 64 experts, each over a 32 x 128-token canary.
-One process, one torch thread, passes interleaved, the medians of ``--repeats`` (results in
+One process, one torch thread, passes interleaved, the medians of ``--repeats``; ``over_plain_forward`` is the
+ratio of the medians, ``over_plain_forward_paired`` the median of each repeat's own ratio (a gate against the plain
+forward run next to it, which a host whose speed drifts during the run moves less; results in
 ``benchmarks/RESULTS.md``).
 """
 
@@ -64,10 +66,13 @@ def one_shape(layers: int, experts: int, repeats: int, profile_top: int) -> dict
     }
     for run in passes.values():  # warm-up
         run()
-    med = {name: statistics.median(t) for name, t in cpu_seconds(passes, repeats).items()}
+    times = cpu_seconds(passes, repeats)
+    med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "cpu_seconds_median": med,
         "over_plain_forward": {name: med[name] / med["plain"] for name in ("gate", "gate_with_drift")},
+        "over_plain_forward_paired": {name: statistics.median(g / p for g, p in zip(times[name], times["plain"]))
+                                      for name in ("gate", "gate_with_drift")},
         "gate_top_costs": top_costs(passes["gate"], profile_top),
     }
 
