@@ -55,7 +55,7 @@ import torch
 
 from atlas_tracking.artifacts.gate_report import GateReport
 from atlas_tracking.artifacts.io import check_header, jsonable, replace_durably, write_atomic
-from atlas_tracking.artifacts.tensor_file import TensorFile, read_rows
+from atlas_tracking.artifacts.tensor_file import TensorFile, read_rows, safetensors_chunks
 from atlas_tracking.receipts.sketch import sketch_matrix
 from atlas_tracking.schema.artifacts import (
     BASE_TENSORS,
@@ -149,15 +149,14 @@ class Baseline:
     # --- persistence ------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         """Write the directory atomically: a complete new copy replaces any previous one."""
-        from safetensors.torch import save
-
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         tmp.mkdir()  # the process umask applies (a temporary-directory helper would make it owner-only)
         try:
-            # written by Python, not by safetensors' own file writer (which makes files owner-only)
-            write_atomic(tmp / BASELINE_TENSORS_FILE, save(dict(self.tensors), metadata={"kind": BASELINE_KIND}))
+            # streamed one tensor at a time (never the whole file in memory), by Python: safetensors' own file
+            # writer makes files owner-only
+            write_atomic(tmp / BASELINE_TENSORS_FILE, safetensors_chunks(self.tensors, {"kind": BASELINE_KIND}))
             written, digest = TensorFile.hashed(tmp / BASELINE_TENSORS_FILE, BaselineError)
             manifest = {**self.manifest, "tensors_sha256": digest}
             write_atomic(tmp / BASELINE_MANIFEST_FILE, json.dumps(manifest, indent=1, allow_nan=False))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write every byte of ``data`` to the open file descriptor ``fd`` (``os.write`` may write fewer)."""
     view = memoryview(data)
     while view:
@@ -68,25 +70,35 @@ def replace_durably(src: Path, dst: Path) -> Path:
     return Path(dst)
 
 
-def write_atomic(path: Path, data: str | bytes) -> Path:
+def write_atomic(path: Path, data: str | bytes | Iterable[bytes | memoryview]) -> Path:
     """Replace ``path`` with ``data`` atomically and durably: a temporary file beside it, written and
     fsynced, renamed into place, then the directory fsynced. A crash leaves the old file or the new one,
-    never a torn one.
+    never a torn one. ``data`` may be given as chunks, written in turn (a large file is then never in memory
+    whole).
 
     >>> import tempfile
     >>> target = Path(tempfile.mkdtemp()) / "sub" / "out.json"
     >>> write_atomic(target, "{}").read_text(), sorted(p.name for p in target.parent.iterdir())
     ('{}', ['out.json'])
+    >>> write_atomic(target, iter([b"[1,", memoryview(b"2]")])).read_text()
+    '[1,2]'
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    chunks = [data.encode() if isinstance(data, str) else data] if isinstance(data, (str, bytes)) else data
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        write_all(fd, data.encode() if isinstance(data, str) else data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            for chunk in chunks:
+                write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # nothing half-written is left beside the file
+        raise
     return replace_durably(tmp, path)
 
 

@@ -293,7 +293,8 @@ def build_report(
     step: int | None,
     anchors: AnchorPlan | None = None,
 ) -> GateReport:
-    """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``)."""
+    """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``). The partials'
+    anchor tensors are handed over to the report: each layer's parts are emptied once joined."""
     rcfg = config.receipts
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
@@ -343,6 +344,8 @@ def build_report(
         layer_anchors = []
         for i in range(len(layers)):
             tensors = concat_anchors([part for p in partials for part in p["anchors"][i]])
+            for p in partials:  # each layer's parts are let go once joined: the anchors are in host memory once
+                p["anchors"][i] = []
             tensors["gamma0"] = partials[0]["gamma"][i]
             if partials[0]["beta"][i] is not None:
                 tensors["beta0"] = partials[0]["beta"][i]

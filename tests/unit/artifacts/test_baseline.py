@@ -52,6 +52,31 @@ def test_baseline_roundtrip_is_bit_identical(saved_baseline, tmp_path):
     assert r1.to_json() == r2.to_json()
 
 
+def test_a_baseline_is_written_one_tensor_at_a_time(saved_baseline, tmp_path, monkeypatch):
+    """The tensor file streams to disk tensor by tensor: no chunk written is larger than the largest tensor (the
+    whole file is never one buffer in memory), and what is written is the file a load checks and reads."""
+    import atlas_tracking.artifacts.baseline as baseline_module
+
+    model, canary, _ = saved_baseline
+    base = Baseline.from_report(measure(model, canary, config=SMALL_GATE))
+    largest = max(t.nbytes for t in base.tensors.values())
+    total = sum(t.nbytes for t in base.tensors.values())
+    sizes: list[int] = []
+    write = baseline_module.write_atomic
+
+    def observed(path, data):
+        if isinstance(data, (str, bytes)):
+            return write(path, data)
+        chunks = list(data)  # each chunk is handed over as it comes; the list only keeps them for the count
+        sizes.extend(memoryview(c).nbytes for c in chunks[1:])
+        return write(path, iter(chunks))
+
+    monkeypatch.setattr(baseline_module, "write_atomic", observed)
+    loaded = Baseline.load(base.save(tmp_path / "b"))
+    assert len(sizes) == len(base.tensors) and sum(sizes) == total and max(sizes) == largest
+    assert all(torch.equal(loaded.tensors[k], base.tensors[k].to(loaded.tensors[k].dtype)) for k in base.tensors)
+
+
 def test_baseline_mismatches_are_named_and_nothing_is_overwritten(saved_baseline, tmp_path):
     model, canary, path = saved_baseline
     base = Baseline.load(path)

@@ -60,3 +60,40 @@ def test_replace_durably_syncs_both_directories_of_a_move(tmp_path, events):
     (tmp_path / "src" / "f").write_text("x")
     io.replace_durably(tmp_path / "src" / "f", tmp_path / "f")
     assert events == ["replace", "dir", "dir"] and (tmp_path / "f").read_text() == "x"
+
+
+def test_a_tensor_file_written_in_chunks_reads_back_in_safetensors(tmp_path):
+    """Every dtype a tensor file holds, empty and 0-d tensors and a strided view, read back by safetensors itself."""
+    import safetensors
+    import torch
+    from safetensors.torch import load_file
+
+    from atlas_tracking.artifacts.tensor_file import safetensors_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(5, 3, generator=gen), "f16": torch.randn(4, generator=gen).half(),
+        "bf16": torch.randn(2, 3, generator=gen).bfloat16(), "f64": torch.randn(3, generator=gen).double(),
+        "i64": torch.arange(7).view(7, 1), "i32": torch.arange(3, dtype=torch.int32), "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5),
+        "strided": torch.arange(12.0).view(3, 4).T,
+    }
+    path = io.write_atomic(tmp_path / "t.safetensors", safetensors_chunks(tensors, {"kind": "test"}))
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for key, t in tensors.items():
+        assert back[key].dtype == t.dtype and back[key].shape == t.shape and torch.equal(back[key], t), key
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"kind": "test"}
+
+
+def test_a_chunked_write_that_fails_leaves_the_old_file_and_nothing_beside_it(tmp_path):
+    io.write_atomic(tmp_path / "t.bin", b"old")
+
+    def chunks():
+        yield b"new, "
+        raise RuntimeError("a tensor could not be read")
+
+    with pytest.raises(RuntimeError, match="could not be read"):
+        io.write_atomic(tmp_path / "t.bin", chunks())
+    assert (tmp_path / "t.bin").read_bytes() == b"old" and os.listdir(tmp_path) == ["t.bin"]

@@ -13,6 +13,7 @@ import torch
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.artifacts.gate_report import verify
+from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.capture import FIELD_ROWS_BUDGET
 from atlas_tracking.engine.measure import build_report, measure_partial
 from atlas_tracking.engine.selfcheck import SelfCheck
@@ -130,6 +131,23 @@ def test_two_simulated_ranks_agree_with_one(model, canary):
     parts = [measure_partial(model, canary, CFG, layers, rank, 2) for rank in (0, 1)]
     merged = build_report(parts, layers, canary, CFG, model, None)
     assert_within_tolerance(json.loads(whole.to_json()), json.loads(merged.to_json()))  # across world sizes
+
+
+def test_two_ranks_anchors_are_joined_in_anchor_order_and_the_parts_let_go(model, canary):
+    """A baseline's anchors from two shards equal one process's, and the report takes them over: each layer's parts
+    are emptied once joined, so the anchors are in host memory once, not twice."""
+    layers = find_routed_layers(model)
+    plan = AnchorPlan.select(canary, CFG.receipts.anchors, CFG.receipts.seed)
+    whole = measure(model, canary, config=CFG)
+    parts = [measure_partial(model, canary, CFG, layers, rank, 2, anchors=plan, collect=True) for rank in (0, 1)]
+    assert all(len(layer_parts) > 0 for p in parts for layer_parts in p["anchors"])
+    merged = build_report(parts, layers, canary, CFG, model, None, plan)
+    assert all(layer_parts == [] for p in parts for layer_parts in p["anchors"])
+    for one, two in zip(whole.anchors["layers"], merged.anchors["layers"]):
+        assert one.keys() == two.keys()
+        for key in one:  # other micro-batches on two ranks: the same rows, within the world-size tolerance
+            assert one[key].shape == two[key].shape and one[key].dtype == two[key].dtype
+            assert torch.allclose(one[key].double(), two[key].double(), rtol=0, atol=1e-5), key
 
 
 def test_verify_accepts_and_then_catches_tampering(model, canary):
