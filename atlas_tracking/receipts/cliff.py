@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from atlas_tracking.receipts.stats import percentile_ci, ratio, ratio_sample_matrix
+from atlas_tracking.receipts.stats import percentile_ci, pooled_ratios, ratio_sample_matrix
 
 TERMINAL_BAND = 3
 """Default band: the routed layers before the terminal one whose mean ``ov_cf`` the terminal jump is taken
@@ -53,15 +53,15 @@ def terminal_cliff(ov_cf: list[dict[str, Any]], idx: np.ndarray, level: float,
     """Profile, terminal and adjacent jumps (with CIs) and the dominant cliff, from per-layer ``{"sum", "count"}``
     per-window arrays of ``ov_cf`` listed in depth order."""
     out: dict[str, Any] = dict.fromkeys(KEYS)
-    sums = [np.asarray(e["sum"], np.float64) for e in ov_cf]
-    counts = [np.asarray(e["count"], np.float64) for e in ov_cf]
-    profile = np.array([ratio(s, c) for s, c in zip(sums, counts)])
+    sums = np.array([np.asarray(e["sum"], np.float64) for e in ov_cf])  # [L, W]
+    counts = np.array([np.asarray(e["count"], np.float64) for e in ov_cf])
+    profile = pooled_ratios(sums, counts) if ov_cf else np.zeros(0)
     out["ov_cf_profile"] = [_f(v) for v in profile]
     n = len(profile)
     if n < 2:
         return out
     b = max(1, min(band, n - 1))
-    samples = ratio_sample_matrix(np.array(sums), np.array(counts), idx).T  # [L, R]
+    samples = ratio_sample_matrix(sums, counts, idx).T  # [L, R]
     terminal = profile[-1] - profile[-1 - b:-1].mean()
     adjacent = profile[-1] - profile[-2]
     out["ov_cf_terminal_jump"], out["ov_cf_adjacent_jump"] = _f(terminal), _f(adjacent)
