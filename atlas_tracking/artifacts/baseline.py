@@ -55,7 +55,7 @@ import torch
 
 from atlas_tracking.artifacts.gate_report import GateReport
 from atlas_tracking.artifacts.io import check_header, jsonable, replace_durably, write_atomic
-from atlas_tracking.artifacts.tensor_file import TensorFile, read_rows, safetensors_chunks
+from atlas_tracking.artifacts.tensor_file import TensorFile, read_rows, safetensors_chunks, tensor_meta
 from atlas_tracking.receipts.sketch import sketch_matrix
 from atlas_tracking.schema.artifacts import (
     BASE_TENSORS,
@@ -112,16 +112,10 @@ class Baseline:
         """Make a baseline from a gate measured without a baseline (or with ``keep_anchors=True``)."""
         if report.anchors is None:
             raise BaselineError("this report holds no anchor tensors: measure it with keep_anchors=True")
-        tensors: dict[str, torch.Tensor] = {}
-        for i, anchors in enumerate(report.anchors["layers"]):
-            for key in (key for key in BASE_TENSORS if key in anchors):  # a compact baseline keeps no g0
-                t = anchors[key]
-                tensors[f"{i}.{key}"] = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
-            tensors.update({f"{i}.{key}": anchors[key].contiguous() for key in NORM_TENSORS if key in anchors})
+        tensors = report.anchors["tensors"]  # read from the gate's spool as they are needed, never all at once
         kl = report.anchors.get("kl") or {"absent": "this gate kept no base log-probabilities"}
-        tensors.update({f"kl.{key}": kl[key] for key in KL_TENSORS if key in kl})
-        kl_info = ({"top_k": int(kl["logp"].shape[-1]), "vocab_size": kl["vocab_size"]} if "logp" in kl
-                   else {"absent": kl["absent"]})
+        kl_info = ({"top_k": tensor_meta(tensors, "kl.logp")[1][-1], "vocab_size": kl["vocab_size"]}
+                   if "kl.logp" in tensors else {"absent": kl["absent"]})
         pw = report.per_window
         layers_pw = [
             {"c2": lpw["c2"], "load": lpw["load"], "valid": lpw["margin_mean"]["count"]} for lpw in pw["layers"]
@@ -290,12 +284,12 @@ class Baseline:
         return LayerReference(self.tensors, i, device, sketch=sketch, **norm)
 
 
-def _storage(anchors: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _storage(anchors: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The manifest's ``storage``: the form a gate chose, with the dtype each anchor tensor is stored in."""
     if "storage" not in anchors:
         return {}
-    dtypes = {key: str(tensors[f"0.{key}"].dtype).removeprefix("torch.") if f"0.{key}" in tensors else "recomputed"
-              for key in BASE_TENSORS}
+    dtypes = {key: str(tensor_meta(tensors, f"0.{key}")[0]).removeprefix("torch.") if f"0.{key}" in tensors
+              else "recomputed" for key in BASE_TENSORS}
     return {"storage": {**anchors["storage"], "dtypes": dtypes}}
 
 

@@ -54,7 +54,10 @@ class GateReport:
     per_window: dict[str, Any]
     drift: dict[str, Any] | None = None
     anchors: dict[str, Any] | None = field(default=None, repr=False, compare=False)
-    """In-memory anchor tensors collected during the gate (not serialised; see ``Baseline.from_report``)."""
+    """The anchors collected during the gate (not serialised; see ``Baseline.from_report``): ``tensors``, a
+    ``TensorSpool`` under the baseline's tensor names, read from its temporary file as they are needed; the
+    ``positions``, ``batch_windows`` and ``storage`` form; and ``kl`` (the vocabulary size, or why the base
+    log-probabilities are absent)."""
 
     # --- views --------------------------------------------------------------------------------
     def layer(self, name: str) -> dict[str, Any]:

@@ -72,15 +72,26 @@ def safetensors_chunks(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
         raise OSError("safetensors files are little-endian; this host is not")
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    for name in tensors:
+        dtype, shape = tensor_meta(tensors, name)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     yield struct.pack("<Q", len(head)) + head
     for t in tensors.values():
         yield t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+
+
+def tensor_meta(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    """``(dtype, shape)`` of ``tensors[name]``: from the mapping's own records where it keeps them (``meta``: a
+    :class:`TensorFile`, a ``TensorSpool``), with no data read; else from the tensor."""
+    meta = getattr(tensors, "meta", None)
+    if meta is not None:
+        return meta(name)
+    t = tensors[name]
+    return t.dtype, tuple(t.shape)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -100,11 +111,13 @@ class TensorFile(Mapping[str, torch.Tensor]):
         """The error a read raises when the path no longer names the checked file."""
 
     @cached_property
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape, from the file's header (read at the first use, after the caller's checksum)."""
+    def _meta(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Every tensor's dtype and shape, from the file's header (read at the first use, after the caller's
+        checksum)."""
+        dtypes = {code: dtype for dtype, code in _DTYPE_CODES.items()}
         with self._open() as f:
-            names = f.keys()
-            return {key: tuple(f.get_slice(key).get_shape()) for key in names}
+            slices = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            return {key: (dtypes[t.get_dtype()], tuple(t.get_shape())) for key, t in slices.items()}
 
     @classmethod
     def hashed(cls, path: str | Path, error: type[Exception]) -> tuple[TensorFile, str]:
@@ -129,7 +142,11 @@ class TensorFile(Mapping[str, torch.Tensor]):
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor ``key``, from the file's header (no data read)."""
-        return self._shapes[key]
+        return self._meta[key][1]
+
+    def meta(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """``(dtype, shape)`` of tensor ``key``, from the file's header (no data read)."""
+        return self._meta[key]
 
     def rows(self, keys: list[str], start: int, end: int) -> dict[str, torch.Tensor]:
         """Rows ``start:end`` (along the first dimension) of each tensor in ``keys``, in one opening of the file."""
@@ -137,23 +154,25 @@ class TensorFile(Mapping[str, torch.Tensor]):
             return {key: f.get_slice(key)[start:end] for key in keys}
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._shapes:
+        if key not in self._meta:
             raise KeyError(key)
         with self._open() as f:
             return f.get_tensor(key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._shapes
+        return key in self._meta
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._shapes)
+        return iter(self._meta)
 
     def __len__(self) -> int:
-        return len(self._shapes)
+        return len(self._meta)
 
 
 def read_rows(tensors: Mapping[str, torch.Tensor], keys: list[str], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Rows ``start:end`` of each tensor in ``keys``: read from the file for a :class:`TensorFile`, sliced otherwise."""
-    if isinstance(tensors, TensorFile):
-        return tensors.rows(keys, start, end)
+    """Rows ``start:end`` of each tensor in ``keys``: read from the file for a mapping that reads row ranges itself
+    (``rows``: a :class:`TensorFile`, a ``TensorSpool``), sliced otherwise."""
+    rows = getattr(tensors, "rows", None)
+    if rows is not None:
+        return rows(keys, start, end)
     return {key: tensors[key][start:end] for key in keys}

@@ -18,6 +18,7 @@ import torch
 
 from atlas_tracking.adapters.base import RoutedLayer, Routing
 from atlas_tracking.artifacts.baseline import LayerReference
+from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
@@ -36,7 +37,7 @@ from atlas_tracking.receipts.sketch import project
 from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance
 from atlas_tracking.receipts.windows import COUNTERS
-from atlas_tracking.schema.artifacts import BASE_TENSORS, DRIFT_RECEIPTS
+from atlas_tracking.schema.artifacts import DRIFT_RECEIPTS
 from atlas_tracking.schema.config import ReceiptsConfig
 
 _TOKEN_MEANS = ("margin_mean", "c2", "ov_cf", "d_adjacent_boundary", "d_adjacent_interior")
@@ -708,7 +709,7 @@ class LayerCapture:
         st = self.storage
         tensors = {"z0": a.z.to(torch.float16) if st.compact else a.z, "R0": a.routing.active,
                    "p0": a.routing.probs.to(torch.float16) if st.compact else a.routing.probs,
-                   "u0": st.store_fields(u), "b0": in_b[a.loc]}
+                   "u0": st.store_fields(u), "b0": in_b[a.loc].to(torch.uint8)}  # b0 as the baseline file keeps it
         if not st.compact:
             tensors["g0"] = g2[a.loc].float()
         self.collected.append((a.a0, tensors))
@@ -791,12 +792,12 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
     return pw
 
 
-def collected_anchors(captures: list[LayerCapture]) -> list[list[tuple[int, dict[str, torch.Tensor]]]]:
-    """Each layer's collected anchor slices ``(first anchor index, tensors)``, moved to the CPU."""
-    return [[(a0, {k: v.cpu() for k, v in part.items()}) for a0, part in cap.collected] for cap in captures]
-
-
-def concat_anchors(parts: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Anchor slices (from one or several ranks) concatenated in anchor order."""
-    parts = sorted(parts, key=lambda item: item[0])
-    return {key: torch.cat([p[key] for _, p in parts]) for key in BASE_TENSORS if key in parts[0][1]} if parts else {}
+def spool_collected(captures: list[LayerCapture], spool: TensorSpool) -> None:
+    """Move the anchor rows the layers collected in one micro-batch to ``spool`` (host, then a temporary file), under
+    the baseline's names (``"{layer index}.z0"``, ...), and let them go: a gate never holds more than one
+    micro-batch of collected anchors on the device (docs/record.md#baselines-on-disk)."""
+    for i, cap in enumerate(captures):
+        for a0, part in cap.collected:
+            for key, rows in part.items():
+                spool.add(f"{i}.{key}", a0, rows)
+        cap.collected = []

@@ -31,6 +31,7 @@ from torch import nn
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.gate_report import GateReport, model_fingerprint
+from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage, configured_storage
 from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.canary import Canary, check_canary_fits
@@ -38,16 +39,16 @@ from atlas_tracking.engine.capture import (
     LayerAccumulator,
     LayerCapture,
     MicroBatch,
-    collected_anchors,
-    concat_anchors,
     host_per_window,
     merge_hosts,
+    spool_collected,
 )
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.receipts.kl import base_topk, window_kl
 from atlas_tracking.receipts.lifecycle import protected_ordinals
 from atlas_tracking.receipts.nll import window_nll
+from atlas_tracking.schema.artifacts import KL_TENSORS
 from atlas_tracking.schema.config import AtlasConfig, ReceiptsConfig
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
@@ -200,6 +201,7 @@ def measure_partial(
     with_klc = post_base is not None and post_base.kl_absent is None
     klc_sum, klc_cnt = torch.zeros_like(nll_sum), torch.zeros_like(nll_cnt)
     topk_parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+    spool = TensorSpool() if collect else None
     owned = np.zeros(canary.n_windows, dtype=bool)
     shown = _Progress(sum(e - s for s, e in kept), rcfg.progress, progress)
     was_training = model.training
@@ -213,6 +215,8 @@ def measure_partial(
                     cap.batch = batch
                 ids = torch.from_numpy(_forward_ids(canary, batch)).to(device)
                 logits = forward(model, ids)
+                if spool is not None:
+                    spool_collected(captures, spool)
                 if not batch.keep:
                     continue
                 start, end = batch.start, batch.end
@@ -251,7 +255,7 @@ def measure_partial(
         "klc_sum": klc_sum.cpu().numpy() if with_klc else None,
         "klc_count": klc_cnt.cpu().numpy() if with_klc else None,
         "topk": topk_parts if kl_k else None,
-        "anchors": collected_anchors(captures) if collect else None,
+        "anchors": spool,
         "gamma": [cap.gamma0 for cap in captures],
         "beta": [cap.beta0 for cap in captures],
     }
@@ -294,7 +298,7 @@ def build_report(
     anchors: AnchorPlan | None = None,
 ) -> GateReport:
     """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``). The partials'
-    anchor tensors are handed over to the report: each layer's parts are emptied once joined."""
+    anchors (their spools) are joined into the report's, with the norms' gains and the base log-probabilities."""
     rcfg = config.receipts
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
@@ -341,22 +345,22 @@ def build_report(
         per_window=per_window,
     )
     if partials[0]["anchors"] is not None and anchors is not None:
-        layer_anchors = []
+        tensors = TensorSpool.joined([p["anchors"] for p in partials])
         for i in range(len(layers)):
-            tensors = concat_anchors([part for p in partials for part in p["anchors"][i]])
-            for p in partials:  # each layer's parts are let go once joined: the anchors are in host memory once
-                p["anchors"][i] = []
-            tensors["gamma0"] = partials[0]["gamma"][i]
-            if partials[0]["beta"][i] is not None:
-                tensors["beta0"] = partials[0]["beta"][i]
-            layer_anchors.append(tensors)
+            for key, norm in (("gamma0", partials[0]["gamma"][i]), ("beta0", partials[0]["beta"][i])):
+                if norm is not None:
+                    tensors.add(f"{i}.{key}", 0, norm)
+        kl = merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k)
+        for key in KL_TENSORS:
+            if key in kl:
+                tensors.add(f"kl.{key}", 0, kl.pop(key))
         report.anchors = {
-            "layers": layer_anchors,
+            "tensors": tensors,
             "positions": anchors.positions.tolist(),
             "batch_windows": rcfg.batch_windows,
             "storage": anchor_storage(rcfg, layers, anchors).describe(len(anchors.positions),
                                                                      max(lay.top_k for lay in layers)),
-            "kl": merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k),
+            "kl": kl,
         }
     return report
 
