@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
-from atlas_tracking.testing.bench import cpu_seconds, write_result
+from atlas_tracking.testing.bench import cpu_seconds, plain_forward, write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -33,13 +33,6 @@ SHAPES = {
     "8 layers x 64 experts": dict(layers=8, experts=64),
 }
 WIDTH, TOP_K, WINDOWS = 64, 8, 32
-
-
-def plain_forward(model: torch.nn.Module, canary: Canary, batch: int) -> None:
-    """The model's own no-grad forward over the canary, in the gate's micro-batches."""
-    with torch.no_grad():
-        for start in range(0, canary.n_windows, batch):
-            model(input_ids=torch.as_tensor(canary.windows[start : start + batch], dtype=torch.long), use_cache=False)
 
 
 def top_costs(run: Any, n: int) -> list[tuple[str, int, float]]:

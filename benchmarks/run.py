@@ -9,6 +9,8 @@
 (e) scaling over canary tokens and over the number of experts E;
 (j) a fit against a tracker that never answers, against no tracker (``benchmarks/tracker_stall.py``).
 (l) frontier layouts: bytes, memory and time per gate, fitted and extrapolated (``benchmarks/scale.py``).
+(n) a gate's host memory at 24 routed layers x 128 experts, making, reading or without a baseline
+    (``benchmarks/gate_memory.py``).
 Ratios are taken in one process; they are benchmarks, not timed tests.
 """
 
@@ -241,6 +243,14 @@ def frontier_scale() -> dict:
     return json.loads(out.read_text())["extrapolated"]
 
 
+def gate_memory() -> dict:
+    """(n) A gate's host memory at 24 routed layers x 128 experts: run by ``benchmarks/gate_memory.py``, each case
+    in fresh processes of its own."""
+    out = HERE / "gate_memory.json"
+    subprocess.run([sys.executable, str(HERE / "gate_memory.py"), "--out", str(out)], check=True, timeout=3600)
+    return json.loads(out.read_text())
+
+
 def scaling(repeats: int) -> dict:
     out = {"canary_tokens": [], "experts": []}
     model = demo_model()
@@ -309,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_scale:
         print("(l) frontier layouts ...", flush=True)
         results["frontier_scale"] = frontier_scale()
+    print("(n) a gate's host memory ...", flush=True)
+    results["gate_memory"] = gate_memory()
     Path(args.out).write_text(json.dumps(results, indent=1))
     g = results["gate_vs_forward"]
     print(f"gate / plain forward = {g['ratio_gate']:.2f} (with drift {g['ratio_gate_with_drift']:.2f}); "

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from atlas_tracking.artifacts.retention import tree_bytes
+from atlas_tracking.testing.bench import host_rss, plain_forward, reset_host_peak
 
 HERE = Path(__file__).resolve().parent
 WINDOW = 32
@@ -138,31 +139,6 @@ def anchor_estimate(shape: dict[str, int], receipts: dict[str, Any]) -> float:
     return float(estimate_bytes(layout, shape["A"], configured_storage(cfg, layout, shape["A"])))
 
 
-def _rss(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-    except (OSError, StopIteration):
-        return None
-
-
-def _reset_peak() -> int | None:
-    """Reset the host peak to the current RSS (Linux) and return the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _rss("VmRSS")
-
-
-def _plain_forward(model: torch.nn.Module, canary: Any, batch: int) -> None:
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for s in range(0, canary.n_windows, batch):
-            model(input_ids=torch.as_tensor(canary.windows[s : s + batch], device=device), use_cache=False)
-
-
 def _kind_bytes(run: Path) -> dict[str, int]:
     from atlas_tracking.artifacts.disk_usage import disk_usage
 
@@ -199,8 +175,8 @@ def run_point(point: Point, device: str = "cpu", out_dir: str | Path | None = No
     quiet = {"receipts": point.config(), "gate": {"receipts_format": RECEIPTS_FORMAT}}
     pre_cfg, post_cfg = {**quiet, "policy": {"phase": "pretraining"}}, {**quiet, "policy": {"phase": "post_training"}}
     print(f"(l) {point} ...", file=sys.stderr, flush=True)
-    _plain_forward(model, canary, 8)                      # kernels and lazy state loaded once
-    forward = statistics.median(cpu_seconds({"f": lambda: _plain_forward(model, canary, 8)}, 3)["f"])
+    plain_forward(model, canary, 8)                      # kernels and lazy state loaded once
+    forward = statistics.median(cpu_seconds({"f": lambda: plain_forward(model, canary, 8)}, 3)["f"])
     run = Path(out_dir or tempfile.mkdtemp()) / "atlas"
     gate = AtlasGate(model, canary, pre_cfg, out_dir=run)
     gates: list[dict[str, Any]] = []
@@ -210,11 +186,11 @@ def run_point(point: Point, device: str = "cpu", out_dir: str | Path | None = No
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start_rss, start_dev = _reset_peak(), torch.cuda.memory_allocated() if device.startswith("cuda") else None
+        start_rss, start_dev = reset_host_peak(), torch.cuda.memory_allocated() if device.startswith("cuda") else None
         t0, c0 = time.perf_counter(), time.process_time()
         record = gate.evaluate(step, loss=4.0) if evaluation else gate.run(step, loss=4.0)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        peak = _rss("VmHWM")
+        peak = host_rss("VmHWM")
         gates.append({"phase": phase, "step": step, "status": record.get("status"), "seconds": seconds, "cpu_seconds": cpu,
                       "ratio_to_forward": cpu / forward,
                       "host_peak": None if start_rss is None or peak is None else peak - start_rss,

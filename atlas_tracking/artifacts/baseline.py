@@ -99,8 +99,9 @@ class LayerReference:
 
 
 class Baseline:
-    """A reference gate: manifest (plain JSON) plus per-layer anchor tensors (in memory, or a :class:`TensorFile`
-    read on demand once saved or loaded)."""
+    """A reference gate: manifest (plain JSON) plus per-layer anchor tensors, read on demand: from the gate's spool
+    (``artifacts.tensor_spool``) when made from a report, from a :class:`TensorFile` once saved or loaded (or any
+    mapping of tensors)."""
 
     def __init__(self, manifest: dict[str, Any], tensors: Mapping[str, torch.Tensor]):
         self.manifest = manifest

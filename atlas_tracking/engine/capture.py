@@ -259,16 +259,21 @@ class LayerCapture:
         acc: LayerAccumulator,
         config: ReceiptsConfig,
         anchor_slices: dict[tuple[int, int], tuple[int, int, torch.Tensor]] | None = None,
-        collect: bool = False,
+        spool: TensorSpool | None = None,
         base: LayerReference | None = None,
         post_base: LayerReference | None = None,
         storage: AnchorStorage | None = None,
+        index: int = 0,
     ):
         self.layer = layer
         self.acc = acc
         self.cfg = config
         self.anchor_slices = anchor_slices
-        self.collect = collect
+        self.spool = spool
+        """Where the anchors of the baseline being collected go (None: this gate collects none)."""
+        self.collect = spool is not None
+        self.index = index
+        """The layer's index in the gate: its tensors' names in the baseline (``"{index}.z0"``, ...)."""
         self.references = {"": base, "base.": post_base}
         """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
         self.storage = storage if storage is not None else AnchorStorage("exact")
@@ -713,6 +718,16 @@ class LayerCapture:
         if not st.compact:
             tensors["g0"] = g2[a.loc].float()
         self.collected.append((a.a0, tensors))
+        if a.z.device.type == "cpu":  # already on the host: spooled at once; from a device, at the micro-batch's end
+            self.spool_collected()
+
+    def spool_collected(self) -> None:
+        """Move the anchor rows this layer collected to the spool (host, then its temporary file) and let them go."""
+        assert self.spool is not None
+        for a0, part in self.collected:
+            for key, rows in part.items():
+                self.spool.add(f"{self.index}.{key}", a0, rows)
+        self.collected = []
 
     def _drift(self, a: AnchorBatch, u1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor) -> None:
         ref, base = self.references[a.target], a.base
@@ -792,12 +807,10 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
     return pw
 
 
-def spool_collected(captures: list[LayerCapture], spool: TensorSpool) -> None:
-    """Move the anchor rows the layers collected in one micro-batch to ``spool`` (host, then a temporary file), under
-    the baseline's names (``"{layer index}.z0"``, ...), and let them go: a gate never holds more than one
-    micro-batch of collected anchors on the device (docs/record.md#baselines-on-disk)."""
-    for i, cap in enumerate(captures):
-        for a0, part in cap.collected:
-            for key, rows in part.items():
-                spool.add(f"{i}.{key}", a0, rows)
-        cap.collected = []
+def spool_collected(captures: list[LayerCapture]) -> None:
+    """At the end of a micro-batch, move the anchor rows every layer collected to its spool (docs/record.md#baselines-on-disk):
+    a layer on the CPU has spooled them as it collected them; one on an accelerator holds one micro-batch of them,
+    copied to the host here, where the gate waits for the device once."""
+    for cap in captures:
+        if cap.collected:
+            cap.spool_collected()

@@ -188,11 +188,12 @@ def measure_partial(
     same_anchors = post_base is not None and anchors is not None and np.array_equal(post_base.positions,
                                                                                      anchors.positions)
     storage = anchor_storage(rcfg, layers, anchors) if collect else None  # a ConfigError before any forward
+    spool = TensorSpool() if collect else None
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_reference(i, device) if baseline is not None else None
         since = post_base.layer_reference(i, device) if post_base is not None and same_anchors else None
-        captures.append(LayerCapture(layer, acc, rcfg, slices, collect, base, since, storage))
+        captures.append(LayerCapture(layer, acc, rcfg, slices, spool, base, since, storage, index=i))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     kl_k = rcfg.kl_top_k if collect else 0
@@ -201,7 +202,6 @@ def measure_partial(
     with_klc = post_base is not None and post_base.kl_absent is None
     klc_sum, klc_cnt = torch.zeros_like(nll_sum), torch.zeros_like(nll_cnt)
     topk_parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-    spool = TensorSpool() if collect else None
     owned = np.zeros(canary.n_windows, dtype=bool)
     shown = _Progress(sum(e - s for s, e in kept), rcfg.progress, progress)
     was_training = model.training
@@ -215,8 +215,7 @@ def measure_partial(
                     cap.batch = batch
                 ids = torch.from_numpy(_forward_ids(canary, batch)).to(device)
                 logits = forward(model, ids)
-                if spool is not None:
-                    spool_collected(captures, spool)
+                spool_collected(captures)
                 if not batch.keep:
                     continue
                 start, end = batch.start, batch.end

@@ -1,4 +1,5 @@
-"""What the CPU benchmarks in ``benchmarks/`` share: interleaved passes timed in CPU seconds, and their JSON.
+"""What the CPU benchmarks in ``benchmarks/`` share: interleaved passes timed in CPU seconds, a process's host peak,
+and their JSON.
 
 Times are CPU seconds of the process (``time.process_time``): on a machine shared with other work, wall time
 carries their load. Passes run round-robin, so drift in the machine's state hits every pass alike.
@@ -11,6 +12,9 @@ Example:
     (['a', 'b'], [3, 3])
     >>> [len(t) for t in seconds({"a": lambda: None}, repeats=2).values()]   # wall time
     [2]
+    >>> start = reset_host_peak()   # Linux: None elsewhere
+    >>> start is None or host_rss("VmHWM") >= start
+    True
     >>> out = Path(tempfile.mkdtemp()) / "r.json"
     >>> write_result({"ratio": 1.5}, out)
     {
@@ -27,6 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 def seconds(passes: dict[str, Callable[[], Any]], repeats: int,
@@ -51,3 +57,34 @@ def write_result(result: dict[str, Any], out: str | Path) -> None:
     text = json.dumps(result, indent=1)
     Path(out).write_text(text + "\n")
     print(text)
+
+
+def host_rss(key: str) -> int | None:
+    """A line of ``/proc/self/status`` in bytes: ``VmRSS`` (resident now) or ``VmHWM`` (the peak since the last
+    :func:`reset_host_peak`); None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    except (OSError, StopIteration):
+        return None
+
+
+def reset_host_peak() -> int | None:
+    """Reset the process's host peak (``VmHWM``) to its resident size now and return that size (Linux; None
+    elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return host_rss("VmRSS")
+
+
+def plain_forward(model: torch.nn.Module, canary: Any, batch: int) -> None:
+    """The model's own no-grad forward over a canary's windows (``canary.windows``, ``[W, L]`` token ids), ``batch``
+    windows per call, on the model's device: what a gate's cost is measured against."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(canary.windows), batch):
+            ids = torch.as_tensor(canary.windows[start : start + batch], dtype=torch.long, device=device)
+            model(input_ids=ids, use_cache=False)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from atlas_tracking import AtlasConfig, Baseline, measure
+from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.artifacts.io import write_atomic
 from atlas_tracking.artifacts.tensor_file import safetensors_chunks
 from atlas_tracking.artifacts.tensor_spool import TensorSpool
@@ -110,29 +111,36 @@ def test_safetensors_from_a_spool_reads_no_tensor_for_its_header(tmp_path, monke
     assert all(torch.equal(t, expected[k]) for k, t in load_file(path).items())
 
 
-def test_a_collecting_gate_spools_each_micro_batch_before_the_next_runs(monkeypatch, tmp_path):
-    """The anchors a micro-batch collects leave the hooks before the next micro-batch's forward: the device never
-    holds more than one micro-batch of them; the baseline written from the spool is the one read back."""
+def test_a_collecting_gate_spools_each_layers_anchors_as_it_collects_them(monkeypatch, tmp_path):
+    """On the CPU a routed layer's collected anchors go to the spool within its own call, before the next layer
+    runs: host memory holds one layer's part of one micro-batch at most. The baseline written from the spool is
+    the one read back."""
     model, canary = family_model("qwen3_moe"), random_canary()
     events: list[tuple[str, int]] = []
     add = TensorSpool.add
     monkeypatch.setattr(TensorSpool, "add", lambda self, name, start, rows: events.append((name, start))
                         or add(self, name, start, rows))
+    layers = find_routed_layers(model)
+    for i, layer in enumerate(layers):
+        layer.block.register_forward_pre_hook(lambda module, args, i=i: events.append(("layer", i)))
     cfg = AtlasConfig.from_dict({"receipts": {**SMALL_GATE.to_dict()["receipts"], "batch_windows": 1}})
-    report = measure(model, canary, config=cfg,
+    report = measure(model, canary, config=cfg, layers=layers,
                      forward=lambda m, ids: events.append(("forward", -1)) or default_forward(m, ids))
     window_of = np.asarray(report.anchors["positions"]) // canary.window  # the canary window of each anchor
-    bw = 1
     forwards = [i for i, (name, _) in enumerate(events) if name == "forward"]
-    assert len(forwards) == -(-canary.n_windows // bw) > 1
+    assert len(forwards) == canary.n_windows > 1
     held = 0
     for j, (lo, hi) in enumerate(zip(forwards, [*forwards[1:], len(events)])):
-        anchor_rows = {start for name, start in events[lo + 1 : hi] if name.split(".")[-1] in ("z0", "R0", "u0", "b0")}
-        first = int(np.searchsorted(window_of, j * bw))  # the first anchor of micro-batch j
-        holds = first < len(window_of) and window_of[first] < (j + 1) * bw
-        assert anchor_rows == ({first} if holds else set()), j
+        first = int(np.searchsorted(window_of, j))  # the first anchor of micro-batch j (one window each)
+        holds = first < len(window_of) and window_of[first] == j
+        current = None
+        for name, start in events[lo + 1 : hi]:
+            if name == "layer":
+                current = start
+            elif name.split(".")[-1] == "z0":
+                assert name == f"{current}.z0" and start == first and holds, (j, name, current)
         held += holds
-    assert held >= 2
+    assert held >= 2 and all(f"{i}.z0" in report.anchors["tensors"] for i in range(len(layers)))
     base = Baseline.from_report(report)
     loaded = Baseline.load(base.save(tmp_path / "b"))
     assert sorted(loaded.tensors) == sorted(base.tensors)
