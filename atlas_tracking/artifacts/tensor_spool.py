@@ -37,12 +37,22 @@ class _Block:
     offset: int
 
 
+class _File:
+    """One file of blocks, closed (an unnamed temporary file is then gone) once no spool holds it."""
+
+    def __init__(self, fh: BinaryIO):
+        self.fh = fh
+
+    def __del__(self) -> None:
+        self.fh.close()
+
+
 class TensorSpool(Mapping[str, torch.Tensor]):
     """Named tensors assembled from row blocks appended to temporary files; ``spool[name]`` reads one whole tensor,
     :meth:`rows` a row range of several, :meth:`meta` a tensor's dtype and shape without reading it."""
 
     def __init__(self) -> None:
-        self._files: list[BinaryIO] = []
+        self._files: list[_File] = []
         self._own: int | None = None
         """The file :meth:`add` appends to (created at the first block; a joined spool's are its sources')."""
         self._blocks: dict[str, list[_Block]] = {}
@@ -56,8 +66,8 @@ class TensorSpool(Mapping[str, torch.Tensor]):
             raise ValueError(f"spooled tensor {name!r} holds rows of {self._kind[name]}, not {kind}")
         if self._own is None:
             self._own = len(self._files)
-            self._files.append(tempfile.TemporaryFile())  # noqa: SIM115 (open as long as the spool: closed with it)
-        fh = self._files[self._own]
+            self._files.append(_File(tempfile.TemporaryFile()))  # noqa: SIM115 (closed with the last spool holding it)
+        fh = self._files[self._own].fh
         offset = fh.seek(0, io.SEEK_END)
         fh.write(rows.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
         self._blocks.setdefault(name, []).append(_Block(start, rows.shape[0], self._own, offset))
@@ -97,7 +107,7 @@ class TensorSpool(Mapping[str, torch.Tensor]):
         """Rows ``lo:hi`` (within ``block``) of ``name`` read into ``into``."""
         dtype, row = self._kind[name]
         row_bytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(row).numel())
-        fh = self._files[block.file]
+        fh = self._files[block.file].fh
         fh.seek(block.offset + (lo - block.start) * row_bytes)
         target = into.view(-1).view(torch.uint8).numpy()
         if fh.readinto(target) != target.nbytes:
@@ -145,5 +155,5 @@ class TensorSpool(Mapping[str, torch.Tensor]):
         return {"blocks": blocks, "kind": self._kind, "data": data.getvalue()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._files, self._own = [io.BytesIO(state["data"])], None
+        self._files, self._own = [_File(io.BytesIO(state["data"]))], None
         self._blocks, self._kind = state["blocks"], state["kind"]

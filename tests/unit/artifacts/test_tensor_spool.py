@@ -82,10 +82,10 @@ def test_ranks_spools_join_and_travel_with_their_bytes():
     sent = [pickle.loads(pickle.dumps(r)) for r in ranks]
     for joined in (TensorSpool.joined(ranks), TensorSpool.joined(sent)):
         assert np.array_equal(joined["z"].view(torch.uint8).numpy().reshape(40, -1), _numpy_whole(blocks))
-    before = [f.seek(0, os.SEEK_END) for r in ranks for f in r._files]
+    before = [f.fh.seek(0, os.SEEK_END) for r in ranks for f in r._files]
     joined = TensorSpool.joined(ranks)
     joined.add("gamma", 0, torch.ones(4))
-    assert [f.seek(0, os.SEEK_END) for r in ranks for f in r._files] == before and "gamma" not in ranks[0]
+    assert [f.fh.seek(0, os.SEEK_END) for r in ranks for f in r._files] == before and "gamma" not in ranks[0]
     assert torch.equal(joined["gamma"], torch.ones(4))
 
 
