@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
-from atlas_tracking.artifacts.tensor_file import TensorFile, tensor_meta
+from atlas_tracking.artifacts.tensor_file import TensorFile, nbytes, tensor_meta
 from atlas_tracking.testing.bench import host_rss, plain_forward, reset_host_peak, write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
@@ -53,7 +53,7 @@ def _layer_bytes(path: Path) -> dict[str, int]:
     for name in tensors:
         dtype, shape = tensor_meta(tensors, name)
         part = name.split(".")[0]
-        out[part] = out.get(part, 0) + torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out[part] = out.get(part, 0) + nbytes(dtype, shape)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import sys
@@ -74,7 +75,7 @@ def safetensors_chunks(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
     offset = 0
     for name in tensors:
         dtype, shape = tensor_meta(tensors, name)
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = nbytes(dtype, shape)
         header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -82,6 +83,15 @@ def safetensors_chunks(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
     yield struct.pack("<Q", len(head)) + head
     for t in tensors.values():
         yield t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+
+
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape`` (no tensor is made).
+
+    >>> nbytes(torch.bfloat16, (3, 2)), nbytes(torch.bool, ())
+    (12, 1)
+    """
+    return math.prod(shape) * dtype.itemsize
 
 
 def tensor_meta(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype, tuple[int, ...]]:

@@ -26,6 +26,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from atlas_tracking.artifacts.tensor_file import nbytes
+
 
 @dataclass(frozen=True)
 class _Block:
@@ -35,6 +37,11 @@ class _Block:
     rows: int
     file: int
     offset: int
+
+
+def _length(ordered: list[_Block]) -> int:
+    """Rows of a tensor from its blocks in row order."""
+    return ordered[-1].start + ordered[-1].rows
 
 
 class _File:
@@ -90,8 +97,7 @@ class TensorSpool(Mapping[str, torch.Tensor]):
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """``(dtype, shape)`` of tensor ``name``, from the blocks' records (no data read)."""
         dtype, row = self._kind[name]
-        last = self._ordered(name)[-1]
-        return dtype, (last.start + last.rows, *row)
+        return dtype, (_length(self._ordered(name)), *row)
 
     def _ordered(self, name: str) -> list[_Block]:
         """The blocks of ``name`` in row order; an error unless they tile rows ``0:n`` exactly."""
@@ -105,8 +111,7 @@ class TensorSpool(Mapping[str, torch.Tensor]):
 
     def _read(self, name: str, block: _Block, lo: int, hi: int, into: torch.Tensor) -> None:
         """Rows ``lo:hi`` (within ``block``) of ``name`` read into ``into``."""
-        dtype, row = self._kind[name]
-        row_bytes = torch.empty((), dtype=dtype).element_size() * int(torch.Size(row).numel())
+        row_bytes = nbytes(*self._kind[name])
         fh = self._files[block.file].fh
         fh.seek(block.offset + (lo - block.start) * row_bytes)
         target = into.view(-1).view(torch.uint8).numpy()
@@ -117,10 +122,11 @@ class TensorSpool(Mapping[str, torch.Tensor]):
         """Rows ``start:end`` of each tensor in ``names``, read from the blocks that hold them."""
         out = {}
         for name in names:
-            dtype, shape = self.meta(name)
-            end_n = min(end, shape[0])
-            t = torch.empty((max(0, end_n - start), *shape[1:]), dtype=dtype)
-            for b in self._ordered(name):
+            dtype, row = self._kind[name]
+            blocks = self._ordered(name)
+            end_n = min(end, _length(blocks))
+            t = torch.empty((max(0, end_n - start), *row), dtype=dtype)
+            for b in blocks:
                 lo, hi = max(start, b.start), min(end_n, b.start + b.rows)
                 if lo < hi:
                     self._read(name, b, lo, hi, t[lo - start : hi - start])
