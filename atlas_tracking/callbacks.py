@@ -64,15 +64,19 @@ class LossSource:
                  warn: Warn = _warn):
         self.keys, self.loss_key, self.hint, self.warn = dict(keys), loss_key, hint, warn
         self._warned: set[str] = set()
+        self.found: str | None = None
+        """The metric the last :meth:`read` took the loss from (None: none was logged)."""
 
     def names(self, stage: str) -> tuple[str, ...]:
         return (self.loss_key,) if self.loss_key else self.keys[stage]
 
     def read(self, metrics: Mapping[str, Any], stage: str) -> float | None:
         names = self.names(stage)
+        self.found = None
         for name in names:
             value = metrics.get(name)
             if value is not None:
+                self.found = name
                 return float(value)
         if stage not in self._warned:
             self._warned.add(stage)
@@ -125,7 +129,7 @@ class ValidationGates:
         self.restored = None
         self.gate.claim()
         if self.gate.config.gate.baseline_at_start and self.gate.baseline_path is None:
-            return self.run(step, None, log_step=log_step)
+            return self.run(step, None, log_step=log_step, trigger="start")
         return None
 
     def gated(self, step: int) -> bool:
@@ -138,14 +142,17 @@ class ValidationGates:
         self.validations += 1
         return self.validations % self.gate.config.gate.every_n_validations == 0
 
-    def run(self, step: int, loss: float | None, log_step: int | None = None) -> dict[str, Any] | None:
+    def run(self, step: int, loss: float | None, log_step: int | None = None, trigger: str = "validation",
+            loss_key: str | None = None) -> dict[str, Any] | None:
         """One gate; a failure never stops training (``atlas/errors.jsonl``, a warning and an ERROR alert through
         every sink, :meth:`AtlasGate.record_failure`; returns None)."""
         assert self.gate is not None
         try:
-            record = self.gate.run(step, loss=loss, log_step=log_step)
+            record = self.gate.run(step, loss=loss, log_step=log_step, trigger=trigger, loss_key=loss_key)
         except Exception as exc:  # monitoring must never stop training
             self.warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
+            if trigger == "telemetry" and self.gate.telemetry is not None:
+                self.gate.telemetry.requested = None  # asked once: its failure is the alarm now, not a retry per step
             try:
                 self.gate.record_failure(step, exc, log_step=log_step)
             except Exception as lost:  # not even the failure could be recorded (a full disk): still train on
@@ -154,6 +161,25 @@ class ValidationGates:
             return None
         self.last_record = record
         return record
+
+    # --- between gates ---------------------------------------------------------------------------
+    def step(self, step: int, log_step: int | None = None) -> None:
+        """An optimizer step has ended (every rank): the training-batch load interval closes when it is due. A
+        failure is a warning (that interval's routes are lost), never a stopped run."""
+        assert self.gate is not None
+        try:
+            self.gate.step(step, log_step=log_step, early=False)
+        except Exception as exc:  # monitoring must never stop training
+            self.warn(f"atlas: the training-batch load at step {step} could not be closed: {type(exc).__name__}: {exc}")
+
+    def early_due(self) -> bool:
+        """The training-batch routing alarm asked for a gate that no gate has answered yet."""
+        telemetry = self.gate.telemetry if self.gate is not None else None
+        return telemetry is not None and telemetry.requested is not None
+
+    def early(self, step: int, log_step: int | None = None) -> dict[str, Any] | None:
+        """The early gate the alarm asked for, at this optimizer-step boundary (no validation ran: no loss)."""
+        return self.run(step, None, log_step=log_step, trigger="telemetry") if self.early_due() else None
 
     def evaluate(self, step: int, loss: float | None, kind: str) -> dict[str, Any] | None:
         """A gate outside the training history (``atlas/evaluations.jsonl``), read against the run's

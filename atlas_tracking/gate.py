@@ -32,6 +32,7 @@ Example (plain loop):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -63,6 +64,7 @@ from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.sinks.delivery import Delivery
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.sinks.webhook import WebhookSink
+from atlas_tracking.telemetry import Telemetry, Writer
 
 log = logging.getLogger("atlas_tracking")
 
@@ -146,6 +148,8 @@ class AtlasGate:
             extra.append(webhook)
         self.local = JsonlSink(self.run_dir.gates)
         self.delivery = Delivery(self.local, extra, wait_s=self.config.gate.delivery_wait_s)
+        self.telemetry = Telemetry(self.layers, self.config) if self.config.telemetry.enabled else None
+        """Training-batch routing between gates (docs/telemetry.md): counting hooks from now on."""
 
     def _declared_reference(self) -> HandoffReference | None:
         """Read and check ``lifecycle.handoff_reference`` now, so a wrong reference fails before training starts
@@ -180,10 +184,12 @@ class AtlasGate:
         base = None
         if self.baseline is not None and self.base_path is not None:
             base = self.baseline if self.base_path == self.baseline_path else self._load_base()
-        return measure(self.model, self.canary, baseline=self.baseline, config=config, step=step, layers=self.layers,
-                       forward=self.forward, keep_anchors=keep_anchors,
-                       progress=None if _is_rank_zero() else _no_progress,
-                       handoff_reference=self.handoff_reference.layers if self.handoff_reference else None, base=base)
+        with self.telemetry.counter.paused() if self.telemetry else contextlib.nullcontext():  # a gate is no training
+            return measure(self.model, self.canary, baseline=self.baseline, config=config, step=step,
+                           layers=self.layers, forward=self.forward, keep_anchors=keep_anchors,
+                           progress=None if _is_rank_zero() else _no_progress,
+                           handoff_reference=self.handoff_reference.layers if self.handoff_reference else None,
+                           base=base)
 
     def _load_base(self) -> Baseline | None:
         """The post-training base, read once; a base that cannot be read is a warning and the gate goes on without
@@ -267,16 +273,20 @@ class AtlasGate:
                 self.baseline = None
 
     # --- one gate ----------------------------------------------------------------------------
-    def run(self, step: int, loss: float | None = None, *, log_step: int | None = None) -> dict[str, Any]:
+    def run(self, step: int, loss: float | None = None, *, log_step: int | None = None, trigger: str = "validation",
+            loss_key: str | None = None) -> dict[str, Any]:
         """Measure, read and deliver one gate; returns the gate record.
 
         ``step`` is the training step (the record's key); ``log_step`` the step trackers plot it at
-        when the training framework logs its own metrics at another step (default ``step``). The
+        when the training framework logs its own metrics at another step (default ``step``). ``trigger`` says why
+        the gate runs (``start``, ``validation``, ``telemetry``: an early gate the alarm asked for) and ``loss_key``
+        which metric ``loss`` is; both go to the record. The
         record's ``gate_seconds`` is the wall time of the measurement and its reading (the delivery
         that follows is added to ``seconds_total``). The returned record is the same on every rank
         except ``receipts_sha256``, which rank zero adds when it writes the receipts.
         """
         self.claim()
+        self._close_interval(step, log_step)  # no interval of training-batch load straddles a gate
         t0 = time.perf_counter()
         self._load_existing_baseline()
         self._pinned_reference()
@@ -313,11 +323,14 @@ class AtlasGate:
         if pruned_reference is not None:
             record["reference_pruned"] = pruned_reference
         record["vocab_size"] = self.vocab_size
+        record.update(self._trigger(trigger, loss_key))
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events
         record.update({k: v for k, v in decision.items() if k != "step"})
         self._keep_base(record)
+        if self.telemetry is not None:
+            self.telemetry.answered(record)
         self._resume_pending = False
         self._canary_changed_from = None
         self.gates_run += 1
@@ -330,6 +343,44 @@ class AtlasGate:
             self._prune(plan)
         self.seconds_total += time.perf_counter() - t0
         return record
+
+    # --- between gates (atlas_tracking/telemetry.py) -----------------------------------------------
+    def step(self, step: int, *, loss: float | None = None, log_step: int | None = None,
+             early: bool = True) -> dict[str, Any] | None:
+        """An optimizer step has ended (call it on every rank, after any gate of this step): the training-batch
+        load interval closes when it is due (``telemetry.every_n_steps``), and when the alarm asks for an early gate
+        it runs now with ``loss`` (``early``; a callback runs it at the next boundary instead). Returns that
+        gate's record, or None. Never raises: a failed early gate is recorded as one (:meth:`record_failure`)."""
+        if self.telemetry is None:
+            return None
+        self.claim()
+        asked = self.telemetry.step(step, self.policy.rolls_reference, self._writer(), log_step)
+        if not (asked and early):
+            return None
+        try:
+            return self.run(step, loss, log_step=log_step, trigger="telemetry")
+        except Exception as exc:  # monitoring never stops training: the failure is the alarm now
+            self.telemetry.requested = None
+            self.record_failure(step, exc, log_step)
+            return None
+
+    def _writer(self) -> Writer | None:
+        return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery) if _is_rank_zero() else None
+
+    def _close_interval(self, step: int, log_step: int | None) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close(step, self.policy.rolls_reference, self._writer(), log_step)
+
+    def _trigger(self, trigger: str, loss_key: str | None) -> dict[str, Any]:
+        """Why the gate runs and which loss it read (the record's ``trigger``, ``trigger_reason``, ``loss_key``)."""
+        asked = self.telemetry.requested if self.telemetry is not None else None
+        fields: dict[str, Any] = {"trigger": trigger, "loss_key": loss_key}
+        if asked is not None and trigger == "telemetry":
+            fields["trigger_reason"] = asked["text"]
+        elif asked is not None:
+            fields["trigger_reason"] = (f"it also answers the training-batch routing alarm of step {asked['step']}, "
+                                        "which asked for an early gate")
+        return fields
 
     def _protection(self, step: int) -> tuple[AtlasConfig, dict[str, Any]]:
         """The configuration the gate at ``step`` measures with and the record fields of its protected set,
@@ -496,7 +547,8 @@ class AtlasGate:
         if _is_rank_zero():
             repaired = self.run_dir.repair()
             lineage = self._restored.get("lineage") if self._restored else None
-            moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"))
+            moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"),
+                                        ((self._restored or {}).get("telemetry") or {}).get("segments"))
             history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
             payload = (moved, history, repaired)
         moved, history, repaired = _from_rank_zero(payload)
@@ -510,6 +562,8 @@ class AtlasGate:
                 self.gates_run += 1
                 caught += 1
         self.lineage = [list(key(rec)) for rec in history]
+        if self.telemetry is not None:
+            self.telemetry.resume(int(step), (self._restored or {}).get("telemetry"), self.branch)
         self.mark_resume()
         delivered = 0
         if _is_rank_zero():
@@ -518,6 +572,14 @@ class AtlasGate:
         return {"moved_aside": moved, "caught_up": caught, "redelivered": delivered, **repaired}
 
     def finish(self) -> None:
+        """The end of training (on every rank): the training-batch load since the last interval is written, then
+        the trackers are waited for (boundedly) and a backlog reported."""
+        if self.telemetry is not None:
+            try:
+                self.telemetry.finish(self.policy.rolls_reference, self._writer())
+            except Exception as exc:  # monitoring never stops training, nor its end
+                log.error("atlas: the last training-batch load interval could not be closed: %s: %s",
+                          type(exc).__name__, exc)
         self.delivery.finish()
 
     # --- state -------------------------------------------------------------------------------
@@ -532,6 +594,7 @@ class AtlasGate:
             "run_id": self.run_id,
             "branch": self.branch,
             "lineage": [list(k) for k in self.lineage],
+            **({"telemetry": self.telemetry.state_dict()} if self.telemetry is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

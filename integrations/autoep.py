@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from atlas_tracking.integrations.deepspeed import NORM_NAMES, find_pre_norm
 from torch import nn
 
-from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import (
+    NoRoutedLayersError,
+    RouteCount,
+    RoutedLayer,
+    Routing,
+    expert_counts,
+    register_family,
+)
 
 
 def _group_mask(choice: torch.Tensor, groups: int, limited: int, score_func: str) -> torch.Tensor:
@@ -88,6 +95,10 @@ class AutoEPLayer(RoutedLayer):
     def route(self, g: torch.Tensor) -> Routing:
         g = g.reshape(-1, g.shape[-1])
         return self.routing(self.router.forward(g, self.block.expert_bias), g)
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The selected experts the router returned, counted per expert."""
+        return RouteCount(expert_counts(router_output[1], self.num_experts))
 
     def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
         """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group

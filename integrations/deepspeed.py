@@ -34,9 +34,11 @@ from torch import nn
 
 from atlas_tracking.adapters.base import (
     NoRoutedLayersError,
+    RouteCount,
     RoutedLayer,
     Routing,
     _layer_index,
+    expert_counts,
     register_family,
 )
 
@@ -95,13 +97,33 @@ class DeepSpeedMoELayer(RoutedLayer):
             return None
         return F.softmax(self.block.coefficient(g), dim=-1).float()
 
-    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
+    def _sparse_routes(self, router_output: Any) -> tuple:
         if not (isinstance(router_output, tuple) and len(router_output) == 7):
             raise RuntimeError(
                 f"{self.name}: this DeepSpeed version's TopKGate did not return sparse routes "
                 "(l_aux, capacity, E, indices, locations, gates, exp_counts); supported: deepspeed>=0.16"
             )
-        indices, gates = router_output[3], router_output[5]
+        return router_output
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The gate's ``exp_counts`` (its choice before the capacity limit) and, of those, the routes its sparse
+        indices flag as dropped (-1)."""
+        routes = self._sparse_routes(router_output)
+        chosen = routes[6].to(torch.int64)
+        return RouteCount(chosen, chosen - expert_counts(routes[3], self.num_experts))
+
+    def routes_replicated_on(self) -> Any:
+        """With a tensor-parallel ``mpu`` every rank of a tensor-parallel group routes the same tokens (DeepSpeed
+        drops the duplicates after routing): its group."""
+        from deepspeed.utils import groups
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
+
+        if groups.mpu is None or bwc_tensor_model_parallel_world_size(groups.mpu) == 1:
+            return None
+        return bwc_tensor_model_parallel_group(groups.mpu)
+
+    def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
+        indices, gates = self._sparse_routes(router_output)[3], router_output[5]
         logits = F.linear(g.float(), self.router.wg.weight.float())
         probs = torch.softmax(logits, dim=-1)
         top = torch.topk(logits, self.top_k, dim=1).indices

@@ -144,6 +144,8 @@ class AtlasCallback(pl.Callback):
                                   "test": TEST_LOSS_KEYS}, loss_key,
                                  hint="Pass AtlasCallback(loss_key=...) to name the metric to read.", warn=rank_zero_warn)
         self._checkpoint_step = 0
+        self._stepped = -1
+        """The last optimizer step whose end was handed to the gate."""
 
     gate = property(lambda self: self.gates.gate)
     last_record = property(lambda self: self.gates.last_record)
@@ -162,6 +164,8 @@ class AtlasCallback(pl.Callback):
             pl_module, self.canary, self.config, out_dir=out_dir, sinks=sinks,
             forward=lambda _model, ids: default_forward(target, ids),
         ))
+        if self.gate.telemetry is not None:  # intervals at the trainer's logging cadence unless configured
+            self.gate.telemetry.follow(trainer.log_every_n_steps)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = int(checkpoint.get("global_step") or 0)
@@ -174,8 +178,33 @@ class AtlasCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores callback state before on_fit_start but the loop state (global step)
         # only after it, so the restored gate state is applied here.
+        self._stepped = int(trainer.global_step)
         with validation_precision(trainer):
             self.gates.start(int(trainer.global_step), log_step=logger_step(trainer))
+
+    # --- between gates -------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After an optimizer step (the last micro-batch of an accumulation): the training-batch load interval
+        closes when it is due."""
+        step = int(trainer.global_step)
+        if self.gate is not None and step != self._stepped:
+            self._stepped = step
+            self.gates.step(step, log_step=logger_step(trainer))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """The next optimizer-step boundary: the early gate the alarm asked for, unless a validation gate of the
+        step answered it."""
+        self._early(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._early(trainer)
+
+    def _early(self, trainer: pl.Trainer) -> None:
+        if self.gate is not None and self.gates.early_due():
+            with validation_precision(trainer):
+                self.gates.early(int(trainer.global_step), log_step=logger_step(trainer))
 
     # --- gates -------------------------------------------------------------------------------
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,7 +215,7 @@ class AtlasCallback(pl.Callback):
             return
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if not self.gates.due():
+        if self.gates.gated(int(trainer.global_step)) or not self.gates.due():
             return
         record = self._gate(trainer, self.losses.read(trainer.callback_metrics, "validation"))
         if record is None:
@@ -200,7 +229,8 @@ class AtlasCallback(pl.Callback):
 
     def _gate(self, trainer: pl.Trainer, loss: float | None) -> dict[str, Any] | None:
         with validation_precision(trainer):
-            return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer))
+            return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer),
+                                  loss_key=self.losses.found)
 
     def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
         # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import (
+    NoRoutedLayersError,
+    RouteCount,
+    RoutedLayer,
+    Routing,
+    expert_counts,
+    register_family,
+)
 from atlas_tracking.adapters.routers import BiasedScores, GroupLimit, distribution
 
 GROUPED = BiasedScores(groups=GroupLimit(n_group="block.config.n_expert_groups", topk_group="block.config.n_topk_groups",
@@ -80,6 +87,11 @@ class LitGPTMoELayer(RoutedLayer):
 
     def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
         return torch.where(torch.isinf(routing.scores), 0.0, routing.scores)
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The router's indices (grouped routing) or the top-k of its logits, which the block takes itself."""
+        index = router_output[1] if self.grouped else torch.topk(router_output, self.top_k).indices
+        return RouteCount(expert_counts(index, self.num_experts))
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each row through its expert's own ``LLaMAMLP``, one call per expert present."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas_tracking.adapters.base import RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import RouteCount, RoutedLayer, Routing, expert_counts, register_family
 
 
 @dataclass
@@ -157,6 +157,17 @@ class MegatronMoELayer(RoutedLayer):
     def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
         return torch.where(torch.isinf(routing.scores) & (routing.scores < 0), 0.0, routing.scores)
 
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The router's ``routing_map`` summed per expert. With ``moe_expert_capacity_factor`` that map has the dropped
+        routes taken out, so the choice before the limit is the top-k of the router's logits, recomputed from its
+        input as :meth:`route` does (with ``moe_input_jitter_eps`` the router ranked a jittered input, which the
+        recomputation does not see)."""
+        kept = router_output[1].reshape(-1, self.num_experts).sum(dim=0, dtype=torch.int64)
+        if self.router.config.moe_expert_capacity_factor is None:
+            return RouteCount(kept)
+        chosen = expert_counts(self.route(router_inputs[0]).active, self.num_experts)
+        return RouteCount(chosen, chosen - kept)
+
     def gate_context(self) -> contextlib.AbstractContextManager:
         """``moe_input_jitter_eps`` multiplies the router's input by a uniform draw in eval mode too: switched off
         during a gate, so the router routes the input the gate reads (docs/distributed.md#random-routing)."""
@@ -245,7 +256,10 @@ def _make(name: str, index: int, block: nn.Module, parent: nn.Module) -> RoutedL
     norm = getattr(parent, "pre_mlp_layernorm", None)
     if router is None or experts is None or norm is None or not hasattr(router, "config"):
         return None
-    return MegatronMoELayer(name, index, block, norm, router, experts)
+    # ``layer_number`` is the model's own (1-based, counted over every pipeline stage); a stage's module path
+    # numbers its own layers from 0
+    number = getattr(parent, "layer_number", None)
+    return MegatronMoELayer(name, int(number) - 1 if isinstance(number, int) else index, block, norm, router, experts)
 
 
 register_family("MoELayer", "megatron", _make)

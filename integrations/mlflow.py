@@ -15,9 +15,10 @@ import re
 import time
 from typing import Any
 
+from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.schema.record import ALERT_LEVELS, FAILED, badge
 from atlas_tracking.sinks.figures import FigureGuard
-from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, fig_layer_c2, pyplot
+from atlas_tracking.viz.figures import TRAIN_LOAD, fig_c2_heatmap, fig_expert_load, fig_layer_c2, pyplot
 from atlas_tracking.viz.tables import top1
 
 _KEY_OK = re.compile(r"[^A-Za-z0-9_\-./ ]")
@@ -112,6 +113,26 @@ class MlflowSink:
             fig = self._figures.draw("expert load", lambda: fig_expert_load(layers, gate_step))
             if fig is not None:
                 self.client.log_figure(self.run_id, fig, f"atlas/figures/expert_load_{gate_step:08d}.png")
+                pyplot().close(fig)
+
+    def log_load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
+        """One interval of training-batch load: its bounded scalars at ``step`` and, when ``picture``, the
+        layers x experts picture (``atlas/figures/train_expert_load_<step>.png``) and the interval's line
+        (``atlas/load/step_<step>.json``: every layer's routes per expert, the table W&B gets)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+        if not picture:
+            return
+        at = int(line["step"])
+        self.client.log_text(self.run_id, json.dumps(line, allow_nan=False), f"atlas/load/step_{at:08d}.json")
+        if self.figures:
+            fig = self._figures.draw(TRAIN_LOAD.lower(), lambda: fig_expert_load(expert_layers(line), at, TRAIN_LOAD))
+            if fig is not None:
+                self.client.log_figure(self.run_id, fig, f"atlas/figures/train_expert_load_{at:08d}.png")
                 pyplot().close(fig)
 
     def alert(self, event: dict[str, Any]) -> None:

@@ -26,7 +26,14 @@ import torch
 from atlas_tracking.integrations.autoep import _keep_load_statistics
 from torch import nn
 
-from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import (
+    NoRoutedLayersError,
+    RouteCount,
+    RoutedLayer,
+    Routing,
+    expert_counts,
+    register_family,
+)
 from atlas_tracking.adapters.routers import BiasedScores, GroupLimit
 
 _GROUPS = GroupLimit(n_group="router.num_expert_groups", topk_group="router.num_limited_groups",
@@ -78,6 +85,10 @@ class TorchtitanMoELayer(RoutedLayer):
 
     def router_logits(self, router_output: Any, routing: Routing) -> torch.Tensor:
         return torch.where(torch.isinf(routing.scores), 0.0, routing.scores)
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The selected experts the router returned, counted per expert (torchtitan never drops a route)."""
+        return RouteCount(expert_counts(router_output[1], self.num_experts))
 
     def route(self, g: torch.Tensor) -> Routing:
         g = g.reshape(-1, g.shape[-1])

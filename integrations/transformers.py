@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,20 @@ def tracker_sinks(report_to: list[str] | None) -> list[Any]:
             _warn("atlas: 'mlflow' is in report_to but no MLflow run is active when training begins; "
                   "gates are kept in the local record only")
     return sinks
+
+
+def logging_cadence(args: TrainingArguments, state: TrainerState) -> int | None:
+    """The optimizer steps between two of the Trainer's logs (``logging_steps``; a fraction of ``max_steps`` when
+    below 1), or None when it does not log by steps.
+
+    >>> from types import SimpleNamespace
+    >>> logging_cadence(SimpleNamespace(logging_strategy="steps", logging_steps=0.1), SimpleNamespace(max_steps=300))
+    30
+    """
+    if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
+        return None
+    steps = float(args.logging_steps)
+    return max(1, math.ceil(steps * state.max_steps)) if steps < 1 else int(steps)
 
 
 def _prefix(metric: str) -> str:
@@ -230,6 +245,8 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
             _warn("atlas: TrainingArguments.eval_strategy is 'no': the Trainer never evaluates, so no gate runs "
                   "after the step-0 baseline. Set eval_strategy='steps' and eval_steps=N to gate every N steps.")
         self._build(args, state, model, trackers=True)
+        if self.gates.gate.telemetry is not None:  # intervals at the Trainer's logging cadence unless configured
+            self.gates.gate.telemetry.follow(logging_cadence(args, state))
         self.gates.load_state_dict(restored)
         self._round_step, self._round = -1, None
         self.gates.start(int(state.global_step))
@@ -290,18 +307,28 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         if self._round is None:
             return
         metrics, self._round = self._round, None
-        self.gates.run(self._round_step, self.losses.read(metrics, "evaluation"))
+        loss = self.losses.read(metrics, "evaluation")
+        self.gates.run(self._round_step, loss, loss_key=self.losses.found)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._flush()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
+        """The optimizer-step boundary: a gate an evaluation made due, else the early gate the alarm asked for."""
         self._flush()
+        self.gates.early(int(state.global_step))
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """After the optimizer step: the training-batch load interval closes when it is due."""
+        if self._training:
+            self.gates.step(int(state.global_step))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self._flush()
+        self.gates.early(int(state.global_step))
         self._training = False
         self.gates.finish()
 

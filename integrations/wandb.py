@@ -13,16 +13,19 @@ from datetime import timedelta
 from typing import Any
 
 from atlas_tracking.artifacts.expert_text import layer_label
+from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.receipts.experts import OVERLOAD_FACTOR, expert_shares, share_change
 from atlas_tracking.schema.record import FAILED, badge
 from atlas_tracking.sinks.figures import FigureGuard
-from atlas_tracking.viz.figures import fig_c2_heatmap, fig_expert_load, png_bytes
+from atlas_tracking.viz.figures import TRAIN_LOAD, fig_c2_heatmap, fig_expert_load, png_bytes
 from atlas_tracking.viz.tables import top1
 
 TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
                  "ov_cf", "v2_c1", "v2_c2", "coord_drift", "boundary_drift", "content_drift", "c2_delta")
 EXPERT_COLUMNS = ("layer", "layer_index", "ordinal", "expert", "load", "share", "share_delta", "dead", "overloaded")
 """Columns of ``atlas/experts``: one row per routed layer and expert (``share_delta``: since the baseline)."""
+LOAD_COLUMNS = ("step", "layer", "name", "expert", "routes", "share", "dead")
+"""Columns of ``atlas/train/experts``: one row per routed layer and expert of an interval's training batches."""
 STEP_KEY = "trainer/global_step"
 
 
@@ -113,6 +116,27 @@ class WandbSink:
         summary["atlas/stage"] = record.get("stage")
         summary["atlas/last_gate_step"] = gate_step
 
+    def log_load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
+        """One interval of training-batch load: its bounded scalars and, when ``picture``, the layers x experts
+        table ``atlas/train/experts`` and picture ``atlas/train/expert_load``."""
+        import wandb
+
+        if not self._defined:
+            self._define()
+        payload: dict[str, Any] = dict(metrics)
+        if picture:
+            payload["atlas/train/experts"] = wandb.Table(columns=list(LOAD_COLUMNS), data=load_rows(line))
+            layers = expert_layers(line)
+            image = self._figures.draw(TRAIN_LOAD.lower(), lambda: wandb.Image(
+                _pil(png_bytes(fig_expert_load(layers, int(line["step"]), TRAIN_LOAD), dpi=90)),
+                caption=f"training-batch expert load, steps {line.get('first_step')}-{line['step']}"))
+            if image is not None:
+                payload["atlas/train/expert_load"] = image
+        if self.logger is not None:
+            self.logger.log_metrics(payload, step=step)
+        else:
+            self.run.log({**payload, self.step_key: step})
+
     def _heatmap_png(self):
         from PIL import Image
 
@@ -143,6 +167,19 @@ def _pil(png: bytes) -> Any:
     from PIL import Image
 
     return Image.open(io.BytesIO(png))
+
+
+def load_rows(line: dict[str, Any]) -> list[list[Any]]:
+    """Rows of ``atlas/train/experts`` (:data:`LOAD_COLUMNS`) from a ``load.jsonl`` line.
+
+    >>> load_rows({"step": 50, "layers": [{"layer": 2, "name": "model.layers.2.mlp", "load": [3, 0, 1]}]})[0]
+    [50, 2, 'model.layers.2.mlp', 0, 3, 0.75, False]
+    """
+    rows = []
+    for row in line["layers"]:
+        for e, (routes, share) in enumerate(zip(row["load"], expert_shares(row["load"]).tolist())):
+            rows.append([int(line["step"]), row["layer"], row["name"], e, int(routes), share, routes == 0])
+    return rows
 
 
 def expert_rows(layers: list[dict[str, Any]]) -> list[list[Any]]:

@@ -48,6 +48,29 @@ class Routing:
     """``[N, k]`` routes the router chose but a capacity limit dropped (weight 0), when the layer drops."""
 
 
+@dataclass
+class RouteCount:
+    """What one call of a layer's router chose, per expert, on the router's device (no host synchronisation)."""
+
+    chosen: torch.Tensor
+    """``[E]`` int64: the routes the router chose to each expert (dropped ones included)."""
+    dropped: torch.Tensor | None = None
+    """``[E]`` int64: of those, the routes a capacity limit dropped; None for a layer that never drops."""
+
+
+def expert_counts(index: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``[E]`` int64 counts of the expert ids in ``index`` (any shape; ids below 0 are not counted), by an
+    ``index_add_`` on the ids' device: unlike ``torch.bincount``, no host synchronisation.
+
+    >>> expert_counts(torch.tensor([[0, 2], [2, -1]]), 4).tolist()
+    [1, 0, 2, 0]
+    """
+    flat = index.reshape(-1).long()
+    flat = torch.where(flat < 0, n_experts, flat)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=index.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat))[:n_experts]
+
+
 NORM_TYPES = ("rms", "layernorm")
 """The pre-norms a layer is read through (docs/receipts.md#notation, docs/receipts.md#layernorm-state)."""
 LAYERNORM_CLASSES = ("LayerNorm", "FusedLayerNorm", "MixedFusedLayerNorm")
@@ -164,6 +187,25 @@ class RoutedLayer:
     def route_active(self, g: torch.Tensor) -> torch.Tensor:
         """The active sets ``[N, k]`` that :meth:`route` gives, where nothing else of the routing is needed."""
         return self.route(g).active
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """Per expert, the routes the router's own forward chose (``router_output``, for the inputs it was called
+        with), for the training-batch load between gates (docs/telemetry.md#what-is-counted).
+
+        The default reads the whole :meth:`routing` (its active set, and its ``dropped`` routes where a capacity
+        limit drops); an adapter whose router output holds the choice reads it directly, which costs less."""
+        g = router_inputs[0]
+        routing = self.routing(router_output, g.reshape(-1, g.shape[-1]))
+        chosen = expert_counts(routing.active, self.num_experts)
+        if routing.dropped is None:
+            return RouteCount(chosen)
+        return RouteCount(chosen, expert_counts(routing.active.masked_fill(~routing.dropped, -1), self.num_experts))
+
+    def routes_replicated_on(self) -> Any:
+        """A process group whose members route the very same tokens through this layer (a tensor-parallel group
+        whose ranks all hold the whole sequence), or None: the training-batch counts are then taken on its first
+        rank only, so that one token is counted once (docs/telemetry.md#how-it-is-reduced)."""
+        return None
 
     # --- experts ---------------------------------------------------------------------------
     experts_forward: Any = None

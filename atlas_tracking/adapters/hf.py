@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas_tracking.adapters.base import NoRoutedLayersError, RoutedLayer, Routing, register_family
+from atlas_tracking.adapters.base import (
+    NoRoutedLayersError,
+    RouteCount,
+    RoutedLayer,
+    Routing,
+    expert_counts,
+    register_family,
+)
 from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
 
 Scale = Callable[[nn.Module], float]
@@ -140,6 +147,10 @@ class HFLayer(RoutedLayer):
     def route_active(self, g: torch.Tensor) -> torch.Tensor:
         g = g.reshape(-1, g.shape[-1])
         return self.row.router.read(self, self._router_forward(g))[2].reshape(len(g), -1).long()
+
+    def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
+        """The top-k index the router returned (``read``), counted per expert."""
+        return RouteCount(expert_counts(self.row.router.read(self, router_output)[2], self.num_experts))
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         return self.row.shared(self, g) if self.row.shared is not None else None

@@ -111,7 +111,11 @@ def read_lines(path: str | Path, check: Callable[[dict[str, Any]], Any] | None =
     return read_lines_and_torn(path, check)[0]
 
 
-def torn_note(path: Path, torn: str) -> str:
+REBUILT_FROM_RECEIPTS = "the next resume rebuilds it from its receipts file, or removes it"
+"""What happens to a gate line cut short by a crash."""
+
+
+def torn_note(path: Path, torn: str, kind: str = "gate", fate: str = REBUILT_FROM_RECEIPTS) -> str:
     """The one line a reader says about a last line it dropped (cut short by a crash).
 
     >>> torn_note(Path("atlas/gates.jsonl"), '{"schema_version":3,"step":40,"c2":0.0')
@@ -120,7 +124,7 @@ def torn_note(path: Path, torn: str) -> str:
     found = re.search(r'"step":\s*(\d+)', torn)
     where = f", step {found.group(1)}" if found else ""
     return (f"atlas: {path} ends in a line cut short by a crash ({len(torn.encode())} bytes{where}); "
-            "it is not read as a gate (the next resume rebuilds it from its receipts file, or removes it)")
+            f"it is not read as a {kind} ({fate})")
 
 
 def read_lines_and_torn(path: str | Path, check: Callable[[dict[str, Any]], Any] | None = None

@@ -6,6 +6,8 @@ Layout of a run directory (``out_dir``; the Lightning callback's default is
     run.json                    the run's identity (run_id); another run never appends here
     gates.jsonl                 the history (one JSON line per gate, fsynced before any tracker call)
     gates.abandoned.jsonl       gates of abandoned branches
+    load.jsonl                  the training-batch routes of every logging interval between gates (load.abandoned.jsonl:
+                                those of abandoned branches)
     alerts.jsonl                the alerts of the history's gates and of its failed gates
     errors.jsonl                gates that could not run, each with its ERROR alert (errors.abandoned.jsonl
                                 after a rewind)
@@ -61,6 +63,7 @@ from atlas_tracking.artifacts.history import (
     write_lines,
 )
 from atlas_tracking.artifacts.io import replace_durably, write_atomic
+from atlas_tracking.artifacts.load_record import rewind_load
 from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
 from atlas_tracking.artifacts.receipts_file import FORMS, SUFFIXES
 from atlas_tracking.artifacts.tensor_file import stream_sha256
@@ -73,6 +76,7 @@ from atlas_tracking.schema.artifacts import (
     ERRORS_ABANDONED,
     EVALUATIONS,
     GATES,
+    LOAD,
     RECORD_FILES,
     RUN_FILE,
 )
@@ -262,7 +266,8 @@ class RunDir:
             write_lines(self.delivered, kept)
 
     # --- rewind --------------------------------------------------------------------------------
-    def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None) -> int:
+    def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None,
+               load_segments: list[list[Any]] | None = None) -> int:
         """Make the history the lineage of a training state restored at ``step``; returns gates moved.
 
         ``lineage`` lists the (step, branch) keys of the gates the restored state has read, and
@@ -271,7 +276,10 @@ class RunDir:
         With ``lineage`` None (a state saved before branches were kept), the history is cut at
         ``step``. Every other gate goes to ``gates.abandoned.jsonl``; gates of the lineage found
         there come back. Each file is replaced atomically, in an order where a crash at any point
-        leaves every gate in at least one file (the next rewind settles it); receipts follow.
+        leaves every gate in at least one file (the next rewind settles it); receipts follow. ``load.jsonl``
+        follows ``load_segments``, the training segments of the restored state's intervals
+        (:func:`~atlas_tracking.artifacts.load_record.rewind_load`), and ``alerts.jsonl`` holds the alerts of the
+        history's gates, failed gates and intervals.
         """
         live = read_lines(self.gates)
         parked = read_lines(self.abandoned)
@@ -300,8 +308,10 @@ class RunDir:
             write_lines(self.gates, history)                        # 3. the history
             write_lines(self.abandoned, rest)                       # 4. the abandoned branches only
         self._rewind_errors(step)
-        alerts = sorted((a for r in [*history, *read_lines(self.errors)] for a in r.get("alerts", [])),
-                        key=lambda a: a["step"])  # the history's alerts and those of its failed gates, in step order
+        rewind_load(self.path, step, load_segments)
+        alerts = sorted((a for r in [*history, *read_lines(self.errors), *read_lines(self.path / LOAD)]
+                         for a in r.get("alerts", [])),
+                        key=lambda a: a["step"])  # the history's alerts, its failed gates' and its intervals', in step order
         if read_lines(self.alerts) != alerts:
             write_lines(self.alerts, alerts)
         return moved

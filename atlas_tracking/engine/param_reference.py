@@ -215,7 +215,7 @@ def _replicas_and_bytes(parts: dict[str, tuple[torch.Tensor, tuple[Any, ...]]],
                          sum(float(t.double().square().sum()) for _, t in plain),
                          float(local_bytes), float(sum(t.numel() * t.element_size() for _, t in plain))],
                         dtype=torch.float64)
-    device = _collective_device()
+    device = collective_device()
     everyone = [torch.zeros_like(mine, device=device) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine.to(device))
     rows = torch.stack(everyone).cpu()
@@ -313,13 +313,13 @@ def _all_reduce(sums: np.ndarray, groups: tuple[Any, ...]) -> np.ndarray:
     """``sums`` added over each process group in turn (float64; on the backend's device)."""
     if not groups:
         return sums
-    t = torch.from_numpy(sums).to(_collective_device())
+    t = torch.from_numpy(sums).to(collective_device())
     for group in groups:
         torch.distributed.all_reduce(t, group=group)
     return t.cpu().numpy()
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where the default process group's backend takes tensors: this process's GPU for NCCL, else the CPU."""
     if "nccl" in str(torch.distributed.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())

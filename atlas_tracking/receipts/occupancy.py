@@ -18,6 +18,8 @@ import math
 import numpy as np
 import torch
 
+from atlas_tracking.receipts.load import load_cv
+
 
 def window_loads(active: torch.Tensor, n_windows: int, n_experts: int) -> torch.Tensor:
     """``[n_windows, E]`` counts of tokens that routed to each expert, per window (int64, on device), from the
@@ -55,14 +57,13 @@ def occupancy_from_loads(
     n_experts = loads.shape[0]
     pi = loads / n_tokens
     dead = int((loads == 0).sum())
-    mean = loads.mean()
     total = loads.sum()
     f = loads / total if total > 0 else np.zeros_like(loads)
     nz = f[f > 0]
     return {
         "dead_experts": dead,
         "experts_active": n_experts - dead,
-        "load_cv": float(loads.std() / mean) if mean > 0 else 0.0,
+        "load_cv": load_cv(loads),
         "router_entropy": float(-(nz * np.log(nz)).sum()),
         "pi_min": float(pi.min()),
         "pi_sum": float(pi.sum()),

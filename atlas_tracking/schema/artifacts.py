@@ -79,6 +79,14 @@ BACKLOG = "backlog.json"
 EVALUATIONS = "evaluations.jsonl"
 
 
+LOAD = "load.jsonl"
+"""The training-batch routes of every logging interval between gates (:mod:`atlas_tracking.schema.load`)."""
+
+
+LOAD_ABANDONED = "load.abandoned.jsonl"
+"""Intervals of abandoned branches (a resume from an older checkpoint moves them here)."""
+
+
 RUN_FILE = "run.json"
 
 
@@ -86,5 +94,5 @@ PINS = "pins.json"
 """The steps whose baselines retention keeps (``atlas-tracking pin``), beside ``gate.pin_baselines``."""
 
 
-RECORD_FILES = (GATES, ABANDONED, ALERTS, ERRORS, ERRORS_ABANDONED, DELIVERED, EVALUATIONS)
+RECORD_FILES = (GATES, ABANDONED, ALERTS, ERRORS, ERRORS_ABANDONED, DELIVERED, EVALUATIONS, LOAD, LOAD_ABANDONED)
 """Every JSON-lines file of a run directory (each line a complete JSON object)."""

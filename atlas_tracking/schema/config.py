@@ -331,6 +331,61 @@ class GateConfig:
 
 
 @dataclass
+class TelemetryConfig:
+    """Training-batch routing between gates: what is counted, how often it is written, and the alarm
+    (docs/telemetry.md)."""
+
+    enabled: bool = True
+    """Count the routes the model's router chooses in every training forward (``atlas/load.jsonl``, trackers, the
+    alarm). False: no hooks, no counting."""
+    every_n_steps: int | None = None
+    """Optimizer steps per logging interval. None: the training framework's logging cadence (Lightning's
+    ``log_every_n_steps``, the Trainer's ``logging_steps``), 50 in a plain loop. An interval also ends at every
+    gate, so no interval straddles one."""
+    picture_every: int = 10
+    """Intervals between two layers x experts pictures and tables sent to the trackers (the scalars go every
+    interval)."""
+    top_experts: int = 3
+    """Per-expert tracker keys: the worst layer's this many busiest and idlest experts (0: none)."""
+    consecutive: int = 2
+    """Intervals in a row a layer must stay in breach of a bound before the alarm is raised (and cleared)."""
+    early_gate: bool = True
+    """When the alarm is raised, run a gate at the next optimizer-step boundary (its record's ``trigger`` is
+    ``telemetry``). The gate, not the alarm, moves the policy's stage."""
+    new_dead: int = 1
+    """Post-training: experts that had routes in the reference interval and none now (where at least
+    ``dead_min_expected`` routes were expected) that put a layer in breach."""
+    dead_min_expected: float = 10.0
+    """An expert counts as newly dead only where its reference share would have given it at least this many of the
+    interval's routes (a Poisson count of mean 10 is 0 with probability 4.5e-5): a short interval is no evidence."""
+    share_bound: float = 4.0
+    """Post-training: an expert whose share of a layer's routes exceeds this many times the uniform share 1/E, while
+    it did not in the reference interval, puts the layer in breach."""
+    cv_rise: float = 0.5
+    """Post-training: a rise of a layer's load CV (a fraction) over the reference interval that puts it in breach."""
+    entropy_drop: float = 0.1
+    """Post-training: a fall of a layer's normalised load entropy below the reference interval's that puts it in
+    breach. In pretraining only occupancy collapse (``policy.collapse_*``) puts a layer in breach."""
+
+    def _validate(self, prefix: str) -> None:
+        for name in ("picture_every", "consecutive", "new_dead"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"'{prefix}{name}' must be >= 1, got {getattr(self, name)!r}")
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ConfigError(f"'{prefix}every_n_steps' must be >= 1 or null (the logger's cadence), "
+                              f"got {self.every_n_steps!r}")
+        if self.top_experts < 0:
+            raise ConfigError(f"'{prefix}top_experts' must be >= 0, got {self.top_experts!r}")
+        if self.share_bound <= 1:
+            raise ConfigError(f"'{prefix}share_bound' must be > 1 (a multiple of the uniform share), "
+                              f"got {self.share_bound!r}")
+        for name in ("cv_rise", "dead_min_expected"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"'{prefix}{name}' must be > 0, got {getattr(self, name)!r}")
+        _check_range(prefix, "entropy_drop", self.entropy_drop, 0.0, 1.0, lo_open=True)
+
+
+@dataclass
 class AtlasConfig:
     """Everything atlas_tracking can be told. Build it in code, from a dict, or from YAML."""
 
@@ -339,6 +394,7 @@ class AtlasConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AtlasConfig:

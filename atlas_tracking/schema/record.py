@@ -395,6 +395,14 @@ class Gate(TypedDict, total=False):
     """The training segment that wrote this gate (a new one at every start or resume)."""
     resume: bool
     """The first gate after a restart (a new baseline)."""
+    trigger: str
+    """Why the gate ran: ``start`` (the step-0 baseline), ``validation`` (after the framework's validation or
+    evaluation), ``telemetry`` (an early gate the training-batch routing alarm asked for), or what a plain loop
+    passed to ``AtlasGate.run``."""
+    trigger_reason: str
+    """An early gate: the alarm that asked for it; a scheduled gate while one was asked for: that it answers it."""
+    loss_key: str | None
+    """The metric the gate's ``loss`` was read from (None: no loss, as at an early gate between validations)."""
     kind: str
     """Evaluation gates only (``evaluations.jsonl``): validate | test."""
     num_experts: int | None

@@ -17,6 +17,12 @@ class Sink(Protocol):
     def finish(self) -> None: ...
 
 
+class LoadSink(Sink, Protocol):
+    """A sink that also receives the training-batch load of each logging interval between gates (optional)."""
+
+    def log_load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None: ...
+
+
 def tracker_run(sink: Any) -> str | None:
     """The tracker run a sink writes to (None for sinks without one, or when it cannot be reached)."""
     try:

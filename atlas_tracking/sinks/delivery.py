@@ -1,7 +1,8 @@
 """Where gate records and alerts go: the local JSONL record first, then trackers, never fatally.
 
 A sink has a ``name``, ``log_gate(record, metrics, step)``, ``alert(event)`` and ``finish()``
-(accelerate's tracker shape); a tracker sink also has ``run_key``, the identity of the tracker
+(accelerate's tracker shape), and may have ``log_load(line, metrics, step, picture)`` for the training-batch
+load between gates (:meth:`Delivery.load`); a tracker sink also has ``run_key``, the identity of the tracker
 run it writes to. :class:`Delivery` fans a gate out: it appends the record to
 ``atlas/gates.jsonl`` before anything else, on the calling thread, then queues the gate for every
 sink; each sink's calls run in order on its own background thread
@@ -45,7 +46,7 @@ from atlas_tracking.artifacts.history import key
 from atlas_tracking.schema.artifacts import BACKLOG
 from atlas_tracking.sinks.base import tracker_run
 from atlas_tracking.sinks.jsonl import JsonlSink
-from atlas_tracking.sinks.worker import SinkWorker, pending_gates
+from atlas_tracking.sinks.worker import INTERVAL, SinkWorker, pending_gates
 
 log = logging.getLogger("atlas_tracking")
 
@@ -59,6 +60,8 @@ def warn_operator(message: str) -> None:
 def _what(method: str, args: tuple) -> str:
     if method == "log_gate":
         return f"gate step {args[2]}"
+    if method == INTERVAL:
+        return f"the training-batch load of step {args[0]['step']}"
     if method == "alert":
         return f"alert {args[0].get('title')!r}"
     return f"the note that it holds gate step {args[0]['step']}"
@@ -165,6 +168,14 @@ class Delivery:
             self.local.alert(event)
         for sink in self.sinks:
             self._call(sink, [("alert", (copy.deepcopy(event),))])
+
+    def load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
+        """One interval of training-batch load (already in ``load.jsonl``) queued for every sink that takes one
+        (``log_load(line, metrics, step, picture)``; ``picture``: draw the layers x experts picture and table)."""
+        line, metrics = copy.deepcopy((line, metrics))
+        for sink in self.sinks:
+            if callable(getattr(sink, INTERVAL, None)):
+                self._call(sink, [(INTERVAL, (line, metrics, step, picture))])
 
     def catch_up(self, history: list[dict[str, Any]], metrics_of: Callable[[dict[str, Any]], dict[str, float]],
                  step_of: Callable[[dict[str, Any]], int]) -> int:

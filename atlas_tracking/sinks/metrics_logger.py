@@ -35,6 +35,11 @@ class LogMetricsSink:
     def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
         self.logger.log_metrics(dict(metrics), step=int(step))
 
+    def log_load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
+        """The interval's bounded scalars (``atlas/train/...``); the picture and table go to trackers that hold
+        them."""
+        self.logger.log_metrics(dict(metrics), step=int(step))
+
     def alert(self, event: dict[str, Any]) -> None:
         """Alerts stay in the local record and the trackers that have a place for them."""
         return None

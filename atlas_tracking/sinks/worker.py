@@ -30,9 +30,19 @@ Item = tuple[str, tuple]
 """One call: the sink method's name and its arguments."""
 
 
+INTERVAL = "log_load"
+"""The call that delivers one interval of training-batch load: a queue keeps at most ``limit`` of them after a
+failure (the oldest dropped first), apart from the gates and alerts, which they never push out."""
+
+
 def _counts(item: Item) -> bool:
-    """Gates and alerts count towards a backlog; the note that a tracker run holds a gate does not."""
-    return item[0] != "acknowledge"
+    """Gates and alerts count towards a backlog; the note that a tracker run holds a gate, and the intervals between
+    gates (bounded apart, :data:`INTERVAL`), do not."""
+    return item[0] not in ("acknowledge", INTERVAL)
+
+
+def _interval(unit: list[Item]) -> bool:
+    return bool(unit) and all(item[0] == INTERVAL for item in unit)
 
 
 class SinkWorker:
@@ -77,10 +87,18 @@ class SinkWorker:
 
     def _trim(self, limit: int) -> int:
         """Drop whole queued units, oldest first, until at most ``limit`` gates and alerts wait (never the newest
-        unit, nor the one in flight); returns how many were dropped. Called with the lock held."""
+        unit, nor the one in flight), and at most ``limit`` intervals; returns how many were dropped. Called with
+        the lock held."""
         dropped = 0
+        intervals = [unit for unit in self._units if _interval(unit)]
+        for unit in intervals[:max(0, len(intervals) - self.limit)]:
+            self._units.remove(unit)
+            dropped += 1
         while self._size() > limit and len(self._units) > 1:
-            self._units.popleft()
+            drop = next((u for u in self._units if not _interval(u)), None)
+            if drop is None or drop is self._units[-1]:
+                break
+            self._units.remove(drop)
             dropped += 1
         return dropped
 

@@ -15,6 +15,8 @@ from atlas_tracking.viz.tables import NA_TOP1, top1
 
 STATUS_COLORS = {Status.BASELINE: "#7f8c8d", Status.GREEN: "#2e8b57", Status.YELLOW: "#d4a017", Status.RED: "#c0392b"}
 STAGE_ORDER = sorted(STAGE_CODES, key=STAGE_CODES.__getitem__)
+TRAIN_LOAD = "Training-batch expert load"
+"""What the layers x experts picture of an interval between gates shows (its title)."""
 
 
 def pyplot():
@@ -147,9 +149,9 @@ def expert_grids(layers: list[dict[str, Any]]) -> tuple[list[str], np.ndarray, n
     return [layer_label(lay) for lay in rows], share, delta if has_delta else None
 
 
-def fig_expert_load(layers: list[dict[str, Any]], step: int):
-    """Layers x experts heatmaps of one gate: each expert's share of its layer's routes (left) and, against a
-    baseline, the change of that share since it (right)."""
+def fig_expert_load(layers: list[dict[str, Any]], step: int, what: str = "Expert load"):
+    """Layers x experts heatmaps of one gate (or interval): each expert's share of its layer's routes (left) and,
+    against a baseline, the change of that share since it (right)."""
     plt = pyplot()
     labels, share, delta = expert_grids(layers)
     panels = [(share, "share of the layer's routes", "viridis", 0.0, None)]
@@ -167,7 +169,7 @@ def fig_expert_load(layers: list[dict[str, Any]], step: int):
         ax.set_xlabel("expert")
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax)
-    fig.suptitle(f"Expert load at step {step} (layers x experts)", fontsize=10)
+    fig.suptitle(f"{what} at step {step} (layers x experts)", fontsize=10)
     return fig
 
 

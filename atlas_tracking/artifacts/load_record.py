@@ -1,0 +1,107 @@
+"""``load.jsonl``: the training-batch routes of every logging interval, one history across resumes.
+
+Each interval is appended as one JSON line with one write and an fsync, before any tracker hears of it
+(:func:`~atlas_tracking.artifacts.history.append_line`: a line cut short by a crash is cut off before the next
+append and never read as an interval). A line states its ``branch`` (the training segment that wrote it); the
+training state keeps the segments of its history, ``[[branch, first step], ...]``, so that a resume from an
+older checkpoint moves the intervals written after it to ``load.abandoned.jsonl`` (never deleted) and brings
+back those of its own history (:func:`rewind_load`), as the gates' rewind does.
+
+Example:
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> for step, branch in [(50, "a"), (100, "a"), (150, "a"), (150, "b")]:
+    ...     append_line(run / LOAD, {"step": step, "branch": branch, "layers": []})
+    >>> rewind_load(run, 150, [["a", 0], ["b", 101]])      # resumed at 100 on branch b, now restored at 150
+    1
+    >>> [(x["step"], x["branch"]) for x in read_load(run)]
+    [(50, 'a'), (100, 'a'), (150, 'b')]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from atlas_tracking.artifacts.history import (
+    append_line,
+    read_lines,
+    read_lines_and_torn,
+    torn_note,
+    write_lines,
+)
+from atlas_tracking.schema.artifacts import LOAD, LOAD_ABANDONED
+
+log = logging.getLogger("atlas_tracking")
+
+Segments = Sequence[Sequence[Any]]
+"""``[[branch, first step], ...]``: the training segments of a history, in order."""
+
+
+def load_file(path: str | Path) -> Path:
+    """The load file of a run directory, of a Lightning root (``<root>/atlas``) or the file itself (which may not
+    exist yet: a run without telemetry has none)."""
+    path = Path(path)
+    if path.is_dir():
+        nested = path / "atlas" / LOAD
+        return nested if not (path / LOAD).exists() and nested.exists() else path / LOAD
+    return path
+
+
+def read_load(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete interval, in file order; a last line cut short by a crash is left out with one warning."""
+    file = load_file(path)
+    lines, torn = read_lines_and_torn(file)
+    if torn:
+        log.warning(torn_note(file, torn, "interval", "the next append removes it; its routes are lost"))
+    return lines
+
+
+def append_load(run_dir: str | Path, line: dict[str, Any]) -> None:
+    """Append one interval to ``<run_dir>/load.jsonl`` (complete on disk when this returns)."""
+    append_line(Path(run_dir) / LOAD, line)
+
+
+def in_history(line: dict[str, Any], segments: Segments, step: int) -> bool:
+    """Whether an interval belongs to the history of a training state restored at ``step`` whose segments are
+    ``segments``: written by a segment's branch within its steps (the last one up to ``step``).
+
+    >>> segs = [["a", 0], ["b", 101]]
+    >>> in_history({"step": 100, "branch": "a"}, segs, 200), in_history({"step": 150, "branch": "a"}, segs, 200)
+    (True, False)
+    """
+    at = int(line["step"])
+    for i, (branch, first) in enumerate(segments):
+        end = int(segments[i + 1][1]) - 1 if i + 1 < len(segments) else step
+        if line.get("branch") == branch and int(first) <= at <= end:
+            return True
+    return False
+
+
+def rewind_load(run_dir: str | Path, step: int, segments: Segments | None) -> int:
+    """Make ``load.jsonl`` the history of a training state restored at ``step``; returns the intervals moved.
+
+    With ``segments`` None (a state saved without them) the intervals after ``step`` move aside. Files are
+    replaced in an order where a crash leaves every interval in at least one of them."""
+    run_dir = Path(run_dir)
+    live, parked = read_lines(run_dir / LOAD), read_lines(run_dir / LOAD_ABANDONED)
+    if not live and not parked:
+        return 0
+    every: dict[tuple[int, Any], dict[str, Any]] = {}
+    for line in parked + live:
+        every.setdefault((int(line["step"]), line.get("branch")), line)
+
+    def keep(line: dict[str, Any]) -> bool:
+        return int(line["step"]) <= step if segments is None else in_history(line, segments, step)
+
+    history = sorted((x for x in every.values() if keep(x)), key=lambda x: int(x["step"]))
+    rest = [x for x in every.values() if not keep(x)]
+    moved = sum(1 for x in live if not keep(x)) + sum(1 for x in history if x not in live)
+    if moved == 0 and len(parked) == len(rest):
+        return 0
+    write_lines(run_dir / LOAD_ABANDONED, list(every.values()))  # a superset first: nothing can be lost
+    write_lines(run_dir / LOAD, history)
+    write_lines(run_dir / LOAD_ABANDONED, rest)
+    return moved

@@ -1,0 +1,273 @@
+"""Counting hooks: the routes each routed layer's router chose in every training forward, between gates.
+
+A :class:`RouteCounter` puts one forward hook on the router of every routed layer (the same adapters a gate
+reads). In each training forward the hook adds the router's own choice, per expert
+(:meth:`~atlas_tracking.adapters.base.RoutedLayer.count_routes`), to counts kept on the router's device: an
+``index_add_``, no host synchronisation. A router call is counted when the router is in training mode, outside
+a gate (:meth:`RouteCounter.paused`) and outside a backward pass: an activation checkpoint that runs the
+forward again during the backward is not a second forward, so it is never counted twice (reentrant and
+non-reentrant checkpointing alike: both recompute inside the autograd engine's backward).
+
+:meth:`RouteCounter.collect` closes a logging interval on every process at once: one ``all_reduce`` over the
+default process group of one int64 tensor (every layer's chosen and dropped routes, tokens, router calls
+and, where experts are spread over an expert-parallel group, the routes each process received), one copy to
+the host, then the counts start again from zero. Layers are labelled with the model's own layer numbers, so a
+pipeline stage's layers and another stage's meet in one table (built at the first interval from every
+process's layers). docs/telemetry.md says what is counted, where, and how it is reduced.
+
+Example:
+    >>> import torch
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> from atlas_tracking.adapters import find_routed_layers
+    >>> _ = torch.manual_seed(0)
+    >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ...     head_dim=8, num_experts=8, num_experts_per_tok=2))
+    >>> counter = RouteCounter(find_routed_layers(model)).attach()
+    >>> _ = model.train()(torch.randint(0, 64, (2, 16)))        # a training forward: counted
+    >>> _ = model.eval()(torch.randint(0, 64, (2, 16)))         # an evaluation forward: not counted
+    >>> interval = counter.collect()
+    >>> [(row["layer"], row["tokens"], sum(row["load"])) for row in interval.layers]
+    [(0, 32, 64), (1, 32, 64)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.engine.param_reference import collective_device
+
+log = logging.getLogger("atlas_tracking")
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (where activation checkpointing
+    recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@dataclass
+class _Local:
+    """One routed layer of this process: its counts since the last interval."""
+
+    layer: RoutedLayer
+    key: tuple[int, int]
+    """(the model's layer number, position among this process's layers of that number)."""
+    chosen: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
+    tokens: int = 0
+    calls: int = 0
+    counts: bool | None = None
+    """False on the ranks of a group that routes the same tokens other than its first (counted once); None until
+    the first call asks the layer."""
+
+    def counting(self) -> bool:
+        if self.counts is None:
+            group = self.layer.routes_replicated_on()
+            self.counts = group is None or torch.distributed.get_rank(group=group) == 0
+        return self.counts
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One routed layer of the model, as every process agrees on it."""
+
+    layer: int
+    """The model's own layer number."""
+    slot: int
+    """Its position among the model's routed layers of that number (0 but for blocks sharing a number)."""
+    name: str
+    """Its module path, on the first process that holds it."""
+    experts: int
+    expert_parallel: bool
+    """Its experts are spread over an expert-parallel group on some process."""
+
+
+@dataclass
+class Interval:
+    """The routes of one logging interval, summed over every process (host values)."""
+
+    layers: list[dict[str, Any]]
+    """Per routed layer, in layer order: ``layer``, ``name``, ``load`` (routes per expert), ``dropped`` (None for
+    a layer that never drops), ``tokens``, ``calls`` and, for an expert-parallel layer, ``ep_tokens`` (routes
+    each process of the world received)."""
+    errors: list[str] = field(default_factory=list)
+    """Router calls that could not be counted (each layer's first error), on this process."""
+
+
+class RouteCounter:
+    """Counting hooks on every routed layer's router; see the module docstring."""
+
+    def __init__(self, layers: list[RoutedLayer]):
+        self._local: list[_Local] = []
+        seen: dict[int, int] = {}
+        for layer in layers:
+            slot = seen.get(layer.index, 0)
+            seen[layer.index] = slot + 1
+            self._local.append(_Local(layer, (int(layer.index), slot)))
+        self._handles: list[Any] = []
+        self._paused = 0
+        self._errors: dict[str, str] = {}
+        self.table: list[TableRow] | None = None
+        """Every process's routed layers, agreed at the first interval."""
+        self._owners: dict[tuple[int, int], torch.Tensor] = {}
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def attach(self) -> RouteCounter:
+        if not self._handles:
+            self._handles = [entry.layer.router.register_forward_hook(self._hook(entry), with_kwargs=True)
+                             for entry in self._local]
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No router call is counted inside the block (a gate's own forwards)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _hook(self, entry: _Local):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._paused or not module.training or in_backward() or not entry.counting():
+                return
+            inputs = args or tuple(kwargs.values())
+            try:
+                count = entry.layer.count_routes(inputs, output)
+                self._add(entry, count.chosen, count.dropped)
+                entry.tokens += inputs[0].numel() // inputs[0].shape[-1]
+                entry.calls += 1
+            except Exception as exc:  # counting must never stop training; the interval says what was missed
+                if entry.layer.name not in self._errors:
+                    self._errors[entry.layer.name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("atlas: cannot count the routes of %s (%s: %s); its training-batch load misses "
+                                "these calls", entry.layer.name, type(exc).__name__, exc)
+        return hook
+
+    @staticmethod
+    def _add(entry: _Local, chosen: torch.Tensor, dropped: torch.Tensor | None) -> None:
+        if entry.chosen is None or entry.chosen.device != chosen.device:
+            entry.chosen = torch.zeros_like(chosen, dtype=torch.int64)
+        entry.chosen += chosen
+        if dropped is not None:
+            if entry.dropped is None or entry.dropped.device != dropped.device:
+                entry.dropped = torch.zeros_like(dropped, dtype=torch.int64)
+            entry.dropped += dropped
+
+    # --- the interval --------------------------------------------------------------------------
+    def pending(self) -> bool:
+        """Router calls were counted on this process since the last interval."""
+        return any(entry.calls for entry in self._local)
+
+    def _agree(self) -> list[TableRow]:
+        """The table of every process's routed layers (collective, once)."""
+        mine = []
+        for entry in self._local:
+            placement = self._placement(entry)
+            mine.append((entry.key, entry.layer.name, int(entry.layer.num_experts), placement is not None))
+            if placement is not None:
+                self._owners[entry.key] = placement
+        every = [mine]
+        if _distributed() and torch.distributed.get_world_size() > 1:
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, mine)
+        rows: dict[tuple[int, int], TableRow] = {}
+        for held in every:
+            for key, name, experts, ep in held:
+                row = rows.get(key)
+                if row is not None and row.experts != experts:
+                    raise ValueError(f"routed layer {key[0]} has {row.experts} experts on one process and {experts} "
+                                     "on another: the processes do not hold the same model")
+                if row is None or (ep and not row.expert_parallel):
+                    rows[key] = TableRow(key[0], key[1], row.name if row else name, experts, ep or bool(row and
+                                                                                                       row.expert_parallel))
+        return [rows[key] for key in sorted(rows)]
+
+    @staticmethod
+    def _placement(entry: _Local) -> torch.Tensor | None:
+        """Per expert, the global rank of the process holding it, for an expert-parallel layer (else None)."""
+        try:
+            placement = entry.layer.expert_placement()
+        except RuntimeError:  # no expert-parallel group (yet): counted as held here
+            return None
+        if placement is None:
+            return None
+        group, owner = placement
+        ranks = torch.tensor(torch.distributed.get_process_group_ranks(group), dtype=torch.int64)
+        return ranks[owner.long()]
+
+    def collect(self) -> Interval:
+        """The counts since the last interval, summed over every process; then the counts start from zero.
+
+        Collective under ``torch.distributed``: every process calls it at the same optimizer step."""
+        if self.table is None:
+            self.table = self._agree()
+        distributed = _distributed() and torch.distributed.get_world_size() > 1
+        world = torch.distributed.get_world_size() if distributed else 1
+        width = max((row.experts for row in self.table), default=0)
+        ep_width = world if any(row.expert_parallel for row in self.table) else 0
+        extra = 4  # tokens, calls, whether the layer drops, whether it counted here
+        device = next((e.chosen.device for e in self._local if e.chosen is not None), torch.device("cpu"))
+        if distributed:
+            device = collective_device()  # the process group's: this GPU under NCCL, the host under gloo
+        stack = torch.zeros(len(self.table), 2 * width + extra + ep_width, dtype=torch.int64, device=device)
+        position = {(row.layer, row.slot): i for i, row in enumerate(self.table)}
+        for entry in self._local:
+            if not entry.counting():
+                continue
+            i, experts = position[entry.key], int(entry.layer.num_experts)
+            if entry.chosen is not None:
+                stack[i, :experts] = entry.chosen.to(device)
+            if entry.dropped is not None:
+                stack[i, width:width + experts] = entry.dropped.to(device)
+                stack[i, 2 * width + 2] = 1
+            stack[i, 2 * width] = entry.tokens
+            stack[i, 2 * width + 1] = entry.calls
+            stack[i, 2 * width + 3] = 1
+            owners = self._owners.get(entry.key)
+            if owners is not None and entry.chosen is not None:
+                kept = entry.chosen - (entry.dropped if entry.dropped is not None else 0)
+                received = torch.zeros(world, dtype=torch.int64, device=kept.device)
+                stack[i, 2 * width + extra:] = received.index_add_(0, owners.to(kept.device), kept).to(device)
+        if distributed:
+            torch.distributed.all_reduce(stack)
+        host = stack.cpu().tolist()
+        layers = []
+        for row, values in zip(self.table, host):
+            entry: dict[str, Any] = {
+                "layer": row.layer, "name": row.name, "load": values[:row.experts],
+                "dropped": sum(values[width:width + row.experts]) if values[2 * width + 2] else None,
+                "tokens": values[2 * width], "calls": values[2 * width + 1], "processes": values[2 * width + 3]}
+            if row.expert_parallel:
+                entry["ep_tokens"] = values[2 * width + extra:]
+            layers.append(entry)
+        self.reset()
+        errors = [f"{name}: {error}" for name, error in self._errors.items()]
+        self._errors = {}
+        return Interval(layers, errors)
+
+    def reset(self) -> None:
+        """Forget the counts since the last interval (a resume starts its first interval afresh)."""
+        for entry in self._local:
+            if entry.chosen is not None:
+                entry.chosen.zero_()
+            if entry.dropped is not None:
+                entry.dropped.zero_()
+            entry.tokens = entry.calls = 0
