@@ -6,7 +6,8 @@ reads). In each training forward the hook adds the router's own choice, per expe
 ``index_add_``, no host synchronisation. A router call is counted when the router is in training mode, outside
 a gate (:meth:`RouteCounter.paused`) and outside a backward pass: an activation checkpoint that runs the
 forward again during the backward is not a second forward, so it is never counted twice (reentrant and
-non-reentrant checkpointing alike: both recompute inside the autograd engine's backward).
+non-reentrant checkpointing alike: both recompute inside the autograd engine's backward), nor is the forward a
+pipeline stage runs once to learn its shapes (:func:`in_pipeline_metadata_inference`).
 
 :meth:`RouteCounter.collect` closes a logging interval on every process at once: one ``all_reduce`` over the
 default process group of one int64 tensor (every layer's chosen and dropped routes, tokens, router calls
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,27 @@ def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (where activation checkpointing
     recomputes a forward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_pipeline_metadata_inference() -> bool:
+    """True inside the forward a ``torch.distributed.pipelining.PipelineStage`` runs at its first step to learn the
+    shapes it sends (the first micro-batch on the first stage, uninitialised tensors of the received shape on the
+    others), before the schedule runs every micro-batch: no training forward.
+
+    It looks for ``PipelineStage._forward_metadata_inference`` among the callers, only once that module is imported:
+
+    >>> in_pipeline_metadata_inference()
+    False
+    """
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    inference = getattr(getattr(stage, "PipelineStage", None), "_forward_metadata_inference", None)
+    code = getattr(inference, "__code__", None)
+    frame = sys._getframe(1) if code is not None else None
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _distributed() -> bool:
@@ -146,7 +169,8 @@ class RouteCounter:
 
     def _hook(self, entry: _Local):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._paused or not module.training or in_backward() or not entry.counting():
+            if (self._paused or not module.training or in_backward() or not entry.counting()
+                    or in_pipeline_metadata_inference()):
                 return
             inputs = args or tuple(kwargs.values())
             try:
