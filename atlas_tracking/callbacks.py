@@ -178,8 +178,14 @@ class ValidationGates:
         return telemetry is not None and telemetry.requested is not None
 
     def early(self, step: int, log_step: int | None = None) -> dict[str, Any] | None:
-        """The early gate the alarm asked for, at this optimizer-step boundary (no validation ran: no loss)."""
-        return self.run(step, None, log_step=log_step, trigger="telemetry") if self.early_due() else None
+        """The early gate the alarm asked for, at this optimizer-step boundary (no validation ran: no loss); none
+        when a gate of this step is already in the history (it answered the alarm)."""
+        if not self.early_due():
+            return None
+        if self.gated(step):
+            self.gate.telemetry.requested = None
+            return None
+        return self.run(step, None, log_step=log_step, trigger="telemetry")
 
     def evaluate(self, step: int, loss: float | None, kind: str) -> dict[str, Any] | None:
         """A gate outside the training history (``atlas/evaluations.jsonl``), read against the run's

@@ -357,6 +357,9 @@ class AtlasGate:
         asked = self.telemetry.step(step, self.policy.rolls_reference, self._writer(), log_step)
         if not (asked and early):
             return None
+        if self.lineage and int(self.lineage[-1][0]) >= int(step):  # a gate of this step already answered it
+            self.telemetry.requested = None
+            return None
         try:
             return self.run(step, loss, log_step=log_step, trigger="telemetry")
         except Exception as exc:  # monitoring never stops training: the failure is the alarm now

@@ -98,11 +98,12 @@ class Telemetry:
 
     def resume(self, step: int, state: dict[str, Any] | None, branch: str) -> None:
         """Continue the restored state's history at ``step`` on ``branch``: the counts since its last interval
-        are gone with the processes that made them, which the next line says (``uncounted``)."""
+        are gone with the processes that made them, which the next line says (``uncounted``). An early gate the
+        restored state still asked for is not run: the resume's first gate is a new baseline, which answers it."""
         state = state or {}
         self.alarm.load_state_dict(state.get("alarm", {}))
         self.intervals = int(state.get("intervals", 0))
-        self.requested = state.get("requested")
+        self.requested = None
         last = state.get("last_step")
         self.segments = [list(s) for s in state.get("segments", [])] + [[branch, int(step) + 1]]
         self._uncounted = [int(last) + 1, int(step)] if last is not None and int(last) < int(step) else None

@@ -6,10 +6,11 @@ Each logging interval (a line of ``load.jsonl``) is read layer by layer (docs/te
   layer in breach, with the floors the gate policy uses (``policy.collapse_dead_fraction``,
   ``policy.collapse_effective_experts``);
 - in **post-training** the first interval after the baseline gate is the reference, and a layer is in breach
-  when, against it, experts that had routes have none (``telemetry.new_dead``, where at least
-  ``telemetry.dead_min_expected`` routes were expected), an expert's share newly exceeds ``telemetry.share_bound``
-  times the uniform share, the load CV rose by more than ``telemetry.cv_rise``, or the normalised entropy fell by
-  more than ``telemetry.entropy_drop`` (collapse counts too).
+  when, against it, experts that carried routes have none (``telemetry.new_dead``, where their reference share was at
+  least ``telemetry.dead_min_share`` of the uniform share and at least ``telemetry.dead_min_expected`` routes were
+  expected), an expert's share exceeds ``telemetry.share_bound`` times the uniform share having grown
+  ``telemetry.share_growth``-fold, the load CV rose by more than ``telemetry.cv_rise``, or the normalised entropy fell
+  by more than ``telemetry.entropy_drop`` (collapse counts too).
 
 A layer in breach for ``telemetry.consecutive`` intervals in a row raises the alarm (a WARN alert naming the
 layers, what crossed which bound and the experts involved) and, with ``telemetry.early_gate``, asks for a gate at
@@ -123,16 +124,19 @@ class LoadAlarm:
         now, before = layer_stats(row["load"]), layer_stats(ref)
         load, base = np.asarray(row["load"], dtype=np.float64), np.asarray(ref, dtype=np.float64)
         reasons, experts = [], []
-        expected = expert_shares(base) * load.sum()
-        died = [int(e) for e in np.flatnonzero((base > 0) & (load == 0) & (expected >= c.dead_min_expected))]
+        uniform = 1.0 / max(len(load), 1)
+        before_share, now_share = expert_shares(base), expert_shares(load)
+        carried = (before_share > 0) & (before_share >= c.dead_min_share * uniform)
+        died = [int(e) for e in np.flatnonzero(carried & (load == 0) & (before_share * load.sum() >= c.dead_min_expected))]
         if len(died) >= c.new_dead:
             reasons.append(f"experts {bounded_list(died)} had routes in the reference interval and none now")
             experts += died
-        bound = c.share_bound / max(len(load), 1)
-        over = [int(e) for e in np.flatnonzero((expert_shares(load) > bound) & (expert_shares(base) <= bound))]
+        grown = now_share >= c.share_growth * before_share
+        over = [int(e) for e in np.flatnonzero((now_share > c.share_bound * uniform) & grown)]
         if over:
-            reasons.append(f"experts {bounded_list(over)} take more than {c.share_bound:g}x the uniform share "
-                           f"(max {now.max_over_mean:.2f}x, {before.max_over_mean:.2f}x at the reference)")
+            reasons.append(f"experts {bounded_list(over)} take more than {c.share_bound:g}x the uniform share, "
+                           f"{c.share_growth:g}x or more their share at the reference (max {now.max_over_mean:.2f}x, "
+                           f"{before.max_over_mean:.2f}x at the reference)")
             experts += over
         if now.cv - before.cv > c.cv_rise:
             reasons.append(f"load CV {now.cv:.3f}, up {now.cv - before.cv:.3f} from {before.cv:.3f} (bound "

@@ -353,14 +353,20 @@ class TelemetryConfig:
     """When the alarm is raised, run a gate at the next optimizer-step boundary (its record's ``trigger`` is
     ``telemetry``). The gate, not the alarm, moves the policy's stage."""
     new_dead: int = 1
-    """Post-training: experts that had routes in the reference interval and none now (where at least
-    ``dead_min_expected`` routes were expected) that put a layer in breach."""
+    """Post-training: experts that carried routes in the reference interval and have none now that put a layer in
+    breach (each counted only where ``dead_min_share`` and ``dead_min_expected`` say its silence is news)."""
+    dead_min_share: float = 0.25
+    """An expert counts as newly dead only when its reference share was at least this fraction of the uniform share
+    1/E: an expert already near silent that falls silent is no change of the layer's routing."""
     dead_min_expected: float = 10.0
     """An expert counts as newly dead only where its reference share would have given it at least this many of the
     interval's routes (a Poisson count of mean 10 is 0 with probability 4.5e-5): a short interval is no evidence."""
     share_bound: float = 4.0
-    """Post-training: an expert whose share of a layer's routes exceeds this many times the uniform share 1/E, while
-    it did not in the reference interval, puts the layer in breach."""
+    """Post-training: an expert whose share of a layer's routes exceeds this many times the uniform share 1/E, having
+    grown ``share_growth``-fold since the reference interval, puts the layer in breach."""
+    share_growth: float = 2.0
+    """The growth of an expert's share since the reference interval that, beyond ``share_bound``, makes it newly
+    overloaded (an expert that hovers at the bound is not news)."""
     cv_rise: float = 0.5
     """Post-training: a rise of a layer's load CV (a fraction) over the reference interval that puts it in breach."""
     entropy_drop: float = 0.1
@@ -382,6 +388,9 @@ class TelemetryConfig:
         for name in ("cv_rise", "dead_min_expected"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"'{prefix}{name}' must be > 0, got {getattr(self, name)!r}")
+        if self.share_growth < 1:
+            raise ConfigError(f"'{prefix}share_growth' must be >= 1 (a growth factor), got {self.share_growth!r}")
+        _check_range(prefix, "dead_min_share", self.dead_min_share, 0.0, 1.0)
         _check_range(prefix, "entropy_drop", self.entropy_drop, 0.0, 1.0, lo_open=True)
 
 
