@@ -27,10 +27,10 @@ from atlas_tracking.artifacts.history import gates_file, read_history
 from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.retention import pinned_steps, step_of, tree_bytes
 from atlas_tracking.artifacts.run_dir import RunDir
-from atlas_tracking.schema.artifacts import EVALUATIONS, GATES, RECORD_FILES
+from atlas_tracking.schema.artifacts import EVALUATIONS, GATES, LOAD, LOAD_ABANDONED, RECORD_FILES
 from atlas_tracking.schema.config import GateConfig
 
-KINDS = ("baselines", "receipts", "gates", "other_jsonl", "evaluations", "rest")
+KINDS = ("baselines", "receipts", "gates", "load", "other_jsonl", "evaluations", "rest")
 """The kinds ``disk_usage`` splits a run directory's bytes into, in the order it lists them."""
 
 
@@ -76,7 +76,9 @@ def disk_usage(path: str | Path) -> dict[str, Any]:
     total = tree_bytes(run.path)
     by_kind = {"baselines": tree_bytes(run.baselines), "receipts": tree_bytes(run.receipts),
                "gates": tree_bytes(run.gates), "evaluations": tree_bytes(run.path / EVALUATIONS),
-               "other_jsonl": sum(tree_bytes(run.path / n) for n in RECORD_FILES if n not in (GATES, EVALUATIONS))}
+               "load": tree_bytes(run.path / LOAD) + tree_bytes(run.path / LOAD_ABANDONED),
+               "other_jsonl": sum(tree_bytes(run.path / n) for n in RECORD_FILES
+                                  if n not in (GATES, EVALUATIONS, LOAD, LOAD_ABANDONED))}
     by_kind["rest"] = total - sum(by_kind.values())
     n = len(history)
     return {"run_dir": str(run.path), "total": total, "bytes": {k: by_kind[k] for k in KINDS},
