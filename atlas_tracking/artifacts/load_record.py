@@ -83,7 +83,8 @@ def in_history(line: dict[str, Any], segments: Segments, step: int) -> bool:
 def rewind_load(run_dir: str | Path, step: int, segments: Segments | None) -> int:
     """Make ``load.jsonl`` the history of a training state restored at ``step``; returns the intervals moved.
 
-    With ``segments`` None (a state saved without them) the intervals after ``step`` move aside. Files are
+    With ``segments`` None (a state saved without them) the intervals after ``step`` move aside and those already
+    aside stay there (no branch says which of them would belong to the history). Files are
     replaced in an order where a crash leaves every interval in at least one of them."""
     run_dir = Path(run_dir)
     live, parked = read_lines(run_dir / LOAD), read_lines(run_dir / LOAD_ABANDONED)
@@ -92,9 +93,12 @@ def rewind_load(run_dir: str | Path, step: int, segments: Segments | None) -> in
     every: dict[tuple[int, Any], dict[str, Any]] = {}
     for line in parked + live:
         every.setdefault((int(line["step"]), line.get("branch")), line)
+    cut = {(int(x["step"]), x.get("branch")) for x in live if int(x["step"]) <= step}
 
     def keep(line: dict[str, Any]) -> bool:
-        return int(line["step"]) <= step if segments is None else in_history(line, segments, step)
+        if segments is None:
+            return (int(line["step"]), line.get("branch")) in cut
+        return in_history(line, segments, step)
 
     history = sorted((x for x in every.values() if keep(x)), key=lambda x: int(x["step"]))
     rest = [x for x in every.values() if not keep(x)]

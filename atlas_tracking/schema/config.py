@@ -382,13 +382,13 @@ class TelemetryConfig:
                               f"got {self.every_n_steps!r}")
         if self.top_experts < 0:
             raise ConfigError(f"'{prefix}top_experts' must be >= 0, got {self.top_experts!r}")
-        if self.share_bound <= 1:
+        if not self.share_bound > 1:  # NaN fails too: it would switch the bound off unseen
             raise ConfigError(f"'{prefix}share_bound' must be > 1 (a multiple of the uniform share), "
                               f"got {self.share_bound!r}")
         for name in ("cv_rise", "dead_min_expected"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:
                 raise ConfigError(f"'{prefix}{name}' must be > 0, got {getattr(self, name)!r}")
-        if self.share_growth < 1:
+        if not self.share_growth >= 1:
             raise ConfigError(f"'{prefix}share_growth' must be >= 1 (a growth factor), got {self.share_growth!r}")
         _check_range(prefix, "dead_min_share", self.dead_min_share, 0.0, 1.0)
         _check_range(prefix, "entropy_drop", self.entropy_drop, 0.0, 1.0, lo_open=True)
