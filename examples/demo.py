@@ -112,12 +112,16 @@ ESCALATED = ("alert", "prepare", "intervene")
 
 class BranchAtEscalation(pl.Callback):
     """Keeps the weights at the run's first gate whose record (``atlas/gates.jsonl``, the local ground truth)
-    reads a stage of :data:`ESCALATED`; listed after the AtlasCallback, whose gate has then been written."""
+    reads a stage of :data:`ESCALATED`; listed after the AtlasCallback, whose gate has then been written (after a
+    validation, or, for an early gate the training-batch routing alarm asked for, before the next training batch)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.gates = run_dir / "atlas" / "gates.jsonl"
         self.step: int | None = None
         self.weights: dict[str, torch.Tensor] | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+        self.on_validation_end(trainer, pl_module)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.weights is not None or not self.gates.exists():
@@ -315,7 +319,8 @@ def read_back(out: Path) -> dict[str, Any]:
             for run_dir in sorted((out / run / "wandb").glob("offline-run-*")):
                 data = wait_for_offline_run(run_dir)
                 found.setdefault(f"wandb/{run}", []).append(
-                    {"atlas_rows": sum(1 for row in data["history"] if any(k.startswith("atlas/") for k in row)),
+                    {"atlas_rows": sum(1 for row in data["history"] if "atlas/status_code" in row),
+                     "train_rows": sum(1 for row in data["history"] if "atlas/train/load_cv_max" in row),
                      "alerts": [a["title"] for a in data["alerts"]]})
     except ImportError as exc:
         found["wandb"] = f"not read ({exc})"
@@ -326,8 +331,10 @@ def read_back(out: Path) -> dict[str, Any]:
         exp = client.get_experiment_by_name("atlas-demo")
         for run in client.search_runs([exp.experiment_id]):
             hist = client.get_metric_history(run.info.run_id, "atlas/c2")
+            train = client.get_metric_history(run.info.run_id, "atlas/train/load_cv_max")
             found.setdefault(f"mlflow/{run.info.run_name}", []).append(
-                {"atlas/c2 points": len(hist), "atlas.stage": run.data.tags.get("atlas.stage")})
+                {"atlas/c2 points": len(hist), "atlas/train/load_cv_max points": len(train),
+                 "atlas.stage": run.data.tags.get("atlas.stage")})
     except Exception as exc:  # reading back is a report, not a requirement of training
         found["mlflow"] = f"not read ({type(exc).__name__}: {exc})"
     return found
