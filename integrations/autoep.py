@@ -30,7 +30,6 @@ from atlas_tracking.adapters.base import (
     RouteCount,
     RoutedLayer,
     Routing,
-    expert_counts,
     register_family,
 )
 
@@ -98,7 +97,7 @@ class AutoEPLayer(RoutedLayer):
 
     def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
         """The selected experts the router returned, counted per expert."""
-        return RouteCount(expert_counts(router_output[1], self.num_experts))
+        return RouteCount(index=router_output[1])
 
     def expert_placement(self) -> tuple[Any, torch.Tensor] | None:
         """With ``ep_size > 1`` expert ``e`` is held by rank ``e // num_local_experts`` of the layer's EP group

@@ -32,7 +32,6 @@ from atlas_tracking.adapters.base import (
     RouteCount,
     RoutedLayer,
     Routing,
-    expert_counts,
     register_family,
 )
 from atlas_tracking.adapters.routers import BiasedScores, GroupLimit, distribution
@@ -91,7 +90,7 @@ class LitGPTMoELayer(RoutedLayer):
     def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
         """The router's indices (grouped routing) or the top-k of its logits, which the block takes itself."""
         index = router_output[1] if self.grouped else torch.topk(router_output, self.top_k).indices
-        return RouteCount(expert_counts(index, self.num_experts))
+        return RouteCount(index=index)
 
     def pair_outputs(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each row through its expert's own ``LLaMAMLP``, one call per expert present."""

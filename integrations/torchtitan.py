@@ -31,7 +31,6 @@ from atlas_tracking.adapters.base import (
     RouteCount,
     RoutedLayer,
     Routing,
-    expert_counts,
     register_family,
 )
 from atlas_tracking.adapters.routers import BiasedScores, GroupLimit
@@ -88,7 +87,7 @@ class TorchtitanMoELayer(RoutedLayer):
 
     def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
         """The selected experts the router returned, counted per expert (torchtitan never drops a route)."""
-        return RouteCount(expert_counts(router_output[1], self.num_experts))
+        return RouteCount(index=router_output[1])
 
     def route(self, g: torch.Tensor) -> Routing:
         g = g.reshape(-1, g.shape[-1])

@@ -52,10 +52,13 @@ class Routing:
 class RouteCount:
     """What one call of a layer's router chose, per expert, on the router's device (no host synchronisation)."""
 
-    chosen: torch.Tensor
-    """``[E]`` int64: the routes the router chose to each expert (dropped ones included)."""
+    chosen: torch.Tensor | None = None
+    """``[E]`` int64: the routes the router chose to each expert (dropped ones included); None when ``index`` says."""
     dropped: torch.Tensor | None = None
     """``[E]`` int64: of those, the routes a capacity limit dropped; None for a layer that never drops."""
+    index: torch.Tensor | None = None
+    """The router's own top-k expert ids (any shape, every id a route): the counter adds them into its counts in
+    place, which makes no tensor (the cheapest form; ``chosen`` is then None)."""
 
 
 def expert_counts(index: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -196,10 +199,10 @@ class RoutedLayer:
         limit drops); an adapter whose router output holds the choice reads it directly, which costs less."""
         g = router_inputs[0]
         routing = self.routing(router_output, g.reshape(-1, g.shape[-1]))
-        chosen = expert_counts(routing.active, self.num_experts)
         if routing.dropped is None:
-            return RouteCount(chosen)
-        return RouteCount(chosen, expert_counts(routing.active.masked_fill(~routing.dropped, -1), self.num_experts))
+            return RouteCount(index=routing.active)
+        return RouteCount(index=routing.active, dropped=expert_counts(
+            routing.active.masked_fill(~routing.dropped, -1), self.num_experts))
 
     def routes_replicated_on(self) -> Any:
         """A process group whose members route the very same tokens through this layer (a tensor-parallel group

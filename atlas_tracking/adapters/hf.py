@@ -26,7 +26,6 @@ from atlas_tracking.adapters.base import (
     RouteCount,
     RoutedLayer,
     Routing,
-    expert_counts,
     register_family,
 )
 from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
@@ -150,7 +149,7 @@ class HFLayer(RoutedLayer):
 
     def count_routes(self, router_inputs: tuple, router_output: Any) -> RouteCount:
         """The top-k index the router returned (``read``), counted per expert."""
-        return RouteCount(expert_counts(self.row.router.read(self, router_output)[2], self.num_experts))
+        return RouteCount(index=self.row.router.read(self, router_output)[2])
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         return self.row.shared(self, g) if self.row.shared is not None else None

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.adapters.base import RouteCount, RoutedLayer
 from atlas_tracking.engine.param_reference import collective_device
 
 log = logging.getLogger("atlas_tracking")
@@ -89,6 +89,8 @@ class _Local:
     """(the model's layer number, position among this process's layers of that number)."""
     chosen: torch.Tensor | None = None
     dropped: torch.Tensor | None = None
+    one: torch.Tensor | None = None
+    """A scalar 1 on the counts' device, expanded (no copy) as the source of each call's ``index_add_``."""
     tokens: int = 0
     calls: int = 0
     counts: bool | None = None
@@ -113,8 +115,8 @@ class TableRow:
     name: str
     """Its module path, on the first process that holds it."""
     experts: int
-    expert_parallel: bool
-    """Its experts are spread over an expert-parallel group on some process."""
+    ep_ranks: tuple[int, ...] = ()
+    """The global ranks that hold its experts where they are spread over expert-parallel groups (empty: none)."""
 
 
 @dataclass
@@ -123,8 +125,8 @@ class Interval:
 
     layers: list[dict[str, Any]]
     """Per routed layer, in layer order: ``layer``, ``name``, ``load`` (routes per expert), ``dropped`` (None for
-    a layer that never drops), ``tokens``, ``calls`` and, for an expert-parallel layer, ``ep_tokens`` (routes
-    each process of the world received)."""
+    a layer that never drops), ``tokens``, ``calls`` and, for an expert-parallel layer, ``ep_ranks`` (the global
+    ranks holding its experts) and ``ep_tokens`` (the routes each of them received)."""
     errors: list[str] = field(default_factory=list)
     """Router calls that could not be counted (each layer's first error), on this process."""
 
@@ -174,8 +176,7 @@ class RouteCounter:
                 return
             inputs = args or tuple(kwargs.values())
             try:
-                count = entry.layer.count_routes(inputs, output)
-                self._add(entry, count.chosen, count.dropped)
+                self._add(entry, entry.layer.count_routes(inputs, output))
                 entry.tokens += inputs[0].numel() // inputs[0].shape[-1]
                 entry.calls += 1
             except Exception as exc:  # counting must never stop training; the interval says what was missed
@@ -186,10 +187,18 @@ class RouteCounter:
         return hook
 
     @staticmethod
-    def _add(entry: _Local, chosen: torch.Tensor, dropped: torch.Tensor | None) -> None:
-        if entry.chosen is None or entry.chosen.device != chosen.device:
-            entry.chosen = torch.zeros_like(chosen, dtype=torch.int64)
-        entry.chosen += chosen
+    def _add(entry: _Local, count: RouteCount) -> None:
+        """Add one router call's routes to the layer's counts, in place on the router's device."""
+        given = count.index if count.index is not None else count.chosen
+        if entry.chosen is None or entry.chosen.device != given.device:
+            entry.chosen = torch.zeros(int(entry.layer.num_experts), dtype=torch.int64, device=given.device)
+            entry.one = torch.ones((), dtype=torch.int64, device=given.device)
+        if count.index is not None:
+            ids = count.index.reshape(-1)
+            entry.chosen.index_add_(0, ids, entry.one.expand(ids.numel()))
+        else:
+            entry.chosen += count.chosen
+        dropped = count.dropped
         if dropped is not None:
             if entry.dropped is None or entry.dropped.device != dropped.device:
                 entry.dropped = torch.zeros_like(dropped, dtype=torch.int64)
@@ -205,7 +214,8 @@ class RouteCounter:
         mine = []
         for entry in self._local:
             placement = self._placement(entry)
-            mine.append((entry.key, entry.layer.name, int(entry.layer.num_experts), placement is not None))
+            held = tuple(sorted(set(placement.tolist()))) if placement is not None else ()
+            mine.append((entry.key, entry.layer.name, int(entry.layer.num_experts), held))
             if placement is not None:
                 self._owners[entry.key] = placement
         every = [mine]
@@ -214,14 +224,13 @@ class RouteCounter:
             torch.distributed.all_gather_object(every, mine)
         rows: dict[tuple[int, int], TableRow] = {}
         for held in every:
-            for key, name, experts, ep in held:
+            for key, name, experts, ranks in held:
                 row = rows.get(key)
                 if row is not None and row.experts != experts:
                     raise ValueError(f"routed layer {key[0]} has {row.experts} experts on one process and {experts} "
                                      "on another: the processes do not hold the same model")
-                if row is None or (ep and not row.expert_parallel):
-                    rows[key] = TableRow(key[0], key[1], row.name if row else name, experts, ep or bool(row and
-                                                                                                       row.expert_parallel))
+                union = tuple(sorted(set(ranks) | set(row.ep_ranks if row else ())))
+                rows[key] = TableRow(key[0], key[1], row.name if row else name, experts, union)
         return [rows[key] for key in sorted(rows)]
 
     @staticmethod
@@ -246,7 +255,7 @@ class RouteCounter:
         distributed = _distributed() and torch.distributed.get_world_size() > 1
         world = torch.distributed.get_world_size() if distributed else 1
         width = max((row.experts for row in self.table), default=0)
-        ep_width = world if any(row.expert_parallel for row in self.table) else 0
+        ep_width = world if any(row.ep_ranks for row in self.table) else 0
         extra = 4  # tokens, calls, whether the layer drops, whether it counted here
         device = next((e.chosen.device for e in self._local if e.chosen is not None), torch.device("cpu"))
         if distributed:
@@ -279,8 +288,9 @@ class RouteCounter:
                 "layer": row.layer, "name": row.name, "load": values[:row.experts],
                 "dropped": sum(values[width:width + row.experts]) if values[2 * width + 2] else None,
                 "tokens": values[2 * width], "calls": values[2 * width + 1], "processes": values[2 * width + 3]}
-            if row.expert_parallel:
-                entry["ep_tokens"] = values[2 * width + extra:]
+            if row.ep_ranks:  # only the processes that hold its experts: another pipeline stage receives none
+                entry["ep_ranks"] = list(row.ep_ranks)
+                entry["ep_tokens"] = [values[2 * width + extra + r] for r in row.ep_ranks]
             layers.append(entry)
         self.reset()
         errors = [f"{name}: {error}" for name, error in self._errors.items()]

@@ -40,9 +40,11 @@ class LoadLayer(TypedDict, total=False):
     processes: int
     """Processes that counted this layer (its data-parallel replicas; under pipeline parallelism, those of its
     stage)."""
+    ep_ranks: list[int]
+    """An expert-parallel layer only: the global ranks of the processes that hold its experts."""
     ep_tokens: list[int]
-    """An expert-parallel layer only: the routes each process of the world received for its experts (index: the
-    global rank; the routes the capacity limit kept)."""
+    """An expert-parallel layer only: the routes each process of ``ep_ranks`` received for the experts it holds (the
+    routes the capacity limit kept, summed over the processes that sent them)."""
 
 
 class LoadLine(TypedDict, total=False):

@@ -107,7 +107,7 @@ def test_deepspeed_expert_parallel_counts_dropped_routes_and_tokens_per_ep_rank(
             assert 0 < dropped < sum(row["load"]), "the capacity limit should drop some routes, not all"
             assert row["dropped"] == dropped
             received = [sum(kept[e] for e in experts) for experts in held]
-            assert row["ep_tokens"] == received
+            assert row["ep_ranks"] == list(range(world)) and row["ep_tokens"] == received
             assert sum(received) + dropped == sum(row["load"])
             overload.append(max(received) / (sum(received) / len(received)))
             dropped_all, chosen_all = dropped_all + dropped, chosen_all + sum(row["load"])
