@@ -11,6 +11,8 @@
 (l) frontier layouts: bytes, memory and time per gate, fitted and extrapolated (``benchmarks/scale.py``).
 (n) a gate's host memory at 24 routed layers x 128 experts, making, reading or without a baseline
     (``benchmarks/gate_memory.py``).
+(o) between gates: the training-batch telemetry's cost per training step, one interval close, the bytes of
+    ``load.jsonl`` and the tracker keys per interval at the DeepSeek-V3 layout (``benchmarks/telemetry_cost.py``).
 Ratios are taken in one process; they are benchmarks, not timed tests.
 """
 
@@ -251,6 +253,15 @@ def gate_memory() -> dict:
     return json.loads(out.read_text())
 
 
+def telemetry_cost() -> dict:
+    """(o) Between gates: run by ``benchmarks/telemetry_cost.py`` in a fresh process (one torch thread)."""
+    out = HERE / "telemetry_cost.json"
+    subprocess.run([sys.executable, str(HERE / "telemetry_cost.py"), "--out", str(out)], check=True, timeout=3600)
+    result = json.loads(out.read_text())
+    return {key: result[key] for key in ("commit", "accounted", "steps", "fit", "close_demo", "bytes", "keys")
+            if key in result}
+
+
 def scaling(repeats: int) -> dict:
     out = {"canary_tokens": [], "experts": []}
     model = demo_model()
@@ -292,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-tracker-stall", action="store_true", help="skip (j), a tracker that never answers")
     parser.add_argument("--skip-scale", action="store_true", help="skip (l), the frontier layouts' cost model")
+    parser.add_argument("--skip-telemetry", action="store_true", help="skip (o), the telemetry between gates")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, canary = demo_model(device=args.device), demo_canary()
@@ -321,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         results["frontier_scale"] = frontier_scale()
     print("(n) a gate's host memory ...", flush=True)
     results["gate_memory"] = gate_memory()
+    if not args.skip_telemetry:
+        print("(o) the telemetry between gates ...", flush=True)
+        results["telemetry_cost"] = telemetry_cost()
     Path(args.out).write_text(json.dumps(results, indent=1))
     g = results["gate_vs_forward"]
     print(f"gate / plain forward = {g['ratio_gate']:.2f} (with drift {g['ratio_gate_with_drift']:.2f}); "
