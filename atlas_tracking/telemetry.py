@@ -135,7 +135,7 @@ class Telemetry:
         reading = self.alarm.read(line, pretraining)
         line.update(phase="pretraining" if pretraining else "post_training", reference_step=reading.reference_step,
                     breach=reading.breach, alerts=reading.alerts, alarm=reading.standing,
-                    early_gate=reading.early_gate)
+                    alarm_layers=reading.alarm_layers, early_gate=reading.early_gate)
         if reading.early_gate:
             self.requested = {"step": step, "text": reading.alerts[0]["text"]}
         picture = self.intervals % self.cfg.picture_every == 0

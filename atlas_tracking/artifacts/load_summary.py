@@ -25,8 +25,10 @@ from atlas_tracking.receipts.load import layer_stats, max_over_mean, ranked_expe
 from atlas_tracking.schema.load import SUMMARY_KEYS, LoadSummary
 
 
-def summarize(line: dict[str, Any], breach: int = 0, alarm: bool = False) -> LoadSummary:
-    """The bounded summary of one interval (layers that saw no token are left out)."""
+def summarize(line: dict[str, Any]) -> LoadSummary:
+    """The bounded summary of one interval (layers that saw no token are left out), with what the alarm made of it
+    (the line's ``breach`` and ``alarm``)."""
+    breach, alarm = len(line.get("breach") or []), bool(line.get("alarm"))
     rows = [row for row in line["layers"] if sum(row["load"]) > 0]
     if not rows:
         return LoadSummary(tokens=int(line.get("tokens", 0)), breach_layers=breach, alarm=int(alarm))
@@ -54,7 +56,7 @@ def worst_row(line: dict[str, Any]) -> dict[str, Any] | None:
 def load_metrics(line: dict[str, Any], top: int = 3) -> dict[str, float]:
     """The tracker metrics of one interval: :func:`summarize` under its ``atlas/train/...`` keys, and the worst
     layer's ``top`` busiest and idlest experts (``atlas/train/top1_expert``, ``atlas/train/top1_share``, ...)."""
-    summary = summarize(line, len(line.get("breach", [])), bool(line.get("alarm")))
+    summary = summarize(line)
     metrics = {SUMMARY_KEYS[k]: float(v) for k, v in summary.items() if v is not None}
     worst = worst_row(line)
     if worst is not None and top > 0:

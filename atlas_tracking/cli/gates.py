@@ -1,4 +1,5 @@
-"""``atlas-tracking gates``: a run's gate table, its failed gates and what each tracker still lacks."""
+"""``atlas-tracking gates``: a run's gate table, the training-batch load between its gates, its failed gates and what
+each tracker still lacks."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gates", help="print a run's gates (step, phase, status, stage, key receipts), the failed "
-                                     "gates and the gates not yet delivered to each tracker")
+    p = sub.add_parser("gates", help="print a run's gates (step, phase, status, stage, key receipts), the "
+                                     "training-batch load between them (load.jsonl: the last interval, alarms, "
+                                     "early gates), the failed gates and the gates not yet delivered to each tracker")
     p.add_argument("run", help="the run's atlas directory, a Lightning root or its gates.jsonl")
-    p.add_argument("--json", action="store_true", help="print one JSON object (header, rows, failed, backlog)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (header, rows, load, failed, backlog)")
     p.set_defaults(func=run)

@@ -65,6 +65,8 @@ class Reading:
     """A gate is asked for at the next optimizer-step boundary."""
     standing: bool = False
     """An alarm stands after this interval."""
+    alarm_layers: list[str] = field(default_factory=list)
+    """The layers the standing alarm stands for (raised, not yet cleared)."""
     reference_step: int | None = None
     """Post-training: the step of the reference interval."""
 
@@ -180,7 +182,8 @@ class LoadAlarm:
             if self.calm[name] >= need:
                 cleared.append(name)
                 del self.raised[name], self.calm[name]
-        reading = Reading(breach=breach, standing=bool(self.raised), reference_step=self.reference_step)
+        reading = Reading(breach=breach, standing=bool(self.raised), reference_step=self.reference_step,
+                          alarm_layers=sorted(self.raised))
         if newly:
             reading.early_gate = self.cfg.early_gate
             reading.alerts.append(self._alarm(step, newly).to_dict())

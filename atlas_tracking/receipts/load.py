@@ -47,7 +47,7 @@ def normalised_entropy(load: Sequence[float] | np.ndarray) -> float:
     if arr.size < 2:
         return 1.0
     f = arr[arr > 0] / total
-    return float(-(f * np.log(f)).sum() / math.log(arr.size))
+    return float(-(f * np.log(f)).sum() / math.log(arr.size)) + 0.0  # one expert alone: 0.0, not -0.0
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class LoadLine(TypedDict, total=False):
     """The alerts this interval raised (an alarm, or its clearing)."""
     alarm: bool
     """An alarm stands after this interval (raised, and not yet cleared)."""
+    alarm_layers: list[str]
+    """The layers the standing alarm stands for (those that stayed in breach ``telemetry.consecutive`` intervals and
+    have not cleared)."""
     early_gate: bool
     """This interval asked for an early gate (``telemetry.early_gate``)."""
     uncounted: list[int]

@@ -8,10 +8,13 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.artifacts.expert_text import layer_label
+from atlas_tracking.artifacts.load_summary import summarize
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.experts import expert_shares, share_change
+from atlas_tracking.receipts.load import layer_stats
 from atlas_tracking.schema.record import STAGE_CODES, Status
 from atlas_tracking.viz.tables import NA_TOP1, top1
+from atlas_tracking.viz.train_load import is_early, raised
 
 STATUS_COLORS = {Status.BASELINE: "#7f8c8d", Status.GREEN: "#2e8b57", Status.YELLOW: "#d4a017", Status.RED: "#c0392b"}
 STAGE_ORDER = sorted(STAGE_CODES, key=STAGE_CODES.__getitem__)
@@ -199,4 +202,76 @@ def fig_occupancy(recs: list[dict[str, Any]]):
     axes[0].set_title("Occupancy per layer over gates (black: the summary the policy reads)")
     axes[0].legend(loc="best", fontsize=6, ncol=3)
     axes[2].set_xlabel("step")
+    return fig
+
+
+TRAIN_LOAD_AXES = (("cv", "load CV", "load_cv_max", "worst layer (max CV)"),
+                   ("max_over_mean", "max / mean load", "max_over_mean", "max over layers"),
+                   ("entropy", "normalised entropy", "entropy_min", "min over layers"))
+"""The panels of :func:`fig_train_load`: the per-layer statistic, its axis label, the summary field drawn in black
+(:class:`~atlas_tracking.schema.load.LoadSummary`) and its legend label."""
+
+
+def load_series(lines: list[dict[str, Any]]) -> tuple[list[int], dict[int, dict[str, list[float]]]]:
+    """The intervals' end steps and, per routed layer (the model's layer number), its load CV, busiest load over
+    the mean and normalised entropy at each interval (NaN where the layer is absent or saw no route).
+
+    >>> steps, series = load_series([{"step": 2, "layers": [{"layer": 3, "load": [3, 1]}]},
+    ...                              {"step": 4, "layers": [{"layer": 3, "load": [0, 0]}]}])
+    >>> steps, series[3]["cv"][0], series[3]["max_over_mean"], bool(np.isnan(series[3]["entropy"][1]))
+    ([2, 4], 0.5, [1.5, nan], True)
+    """
+    steps = [int(line["step"]) for line in lines]
+    series: dict[int, dict[str, list[float]]] = {}
+    for i, line in enumerate(lines):
+        for row in line["layers"]:
+            values = series.setdefault(int(row["layer"]), {key: [np.nan] * len(lines) for key, *_ in TRAIN_LOAD_AXES})
+            if sum(row["load"]) > 0:
+                stats = layer_stats(row["load"])
+                for key, *_ in TRAIN_LOAD_AXES:
+                    values[key][i] = float(getattr(stats, key))
+    return steps, dict(sorted(series.items()))
+
+
+def _once(seen: set[str] | None, what: str) -> str | None:
+    """``what`` as a legend label the first time it is seen (never when ``seen`` is None)."""
+    if seen is None or what in seen:
+        return None
+    seen.add(what)
+    return what
+
+
+def fig_train_load(lines: list[dict[str, Any]], gates: list[dict[str, Any]]):
+    """The training-batch load between gates (``load.jsonl``): per routed layer over the intervals (x: the
+    interval's last step) its load CV, busiest load over the mean and normalised entropy, one thin line per layer
+    and the bounded summary in black; the gates as dotted grey lines, early gates (``trigger`` telemetry) as solid
+    red ones; the interval that raised the alarm shaded red, those while it stands lightly. Artists carry a ``gid``
+    (``layer N``, ``summary``, ``gate S``, ``early gate S``, ``alarm S``, ``alarm standing S``)."""
+    plt = pyplot()
+    steps, series = load_series(lines)
+    fig, axes = plt.subplots(len(TRAIN_LOAD_AXES), 1, figsize=(7, 6.5), sharex=True)
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(len(series), 1)))
+    summaries = [summarize(line) for line in lines]
+    for row, (ax, (key, ylabel, summary_key, summary_label)) in enumerate(zip(axes, TRAIN_LOAD_AXES)):
+        seen: set[str] | None = None if row else set()  # the top panel's legend names each kind of mark once
+        for color, (layer, values) in zip(colors, series.items()):
+            ax.plot(steps, values[key], "o-", lw=0.8, ms=2.5, color=color, gid=f"layer {layer}",
+                    label=_once(seen, f"layer {layer}") if len(series) <= 12 else None)
+        ax.plot(steps, [s.get(summary_key, np.nan) for s in summaries], "s--", color="black", lw=1.3, ms=3,
+                gid="summary", label=summary_label)
+        for gate in gates:
+            early = is_early(gate)
+            ax.axvline(gate["step"], color="#c0392b" if early else "#7f8c8d", ls="-" if early else ":",
+                       lw=1.4 if early else 0.9, gid=f"{'early gate' if early else 'gate'} {gate['step']}",
+                       label=_once(seen, "early gate" if early else "gate"))
+        for line in lines:
+            if raised(line) or line.get("alarm"):
+                what = "alarm" if raised(line) else "alarm standing"
+                ax.axvspan(line.get("first_step", line["step"]) - 0.5, line["step"] + 0.5, color="#e74c3c",
+                           alpha=0.25 if raised(line) else 0.08, lw=0, gid=f"{what} {line['step']}",
+                           label=_once(seen, what))
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.legend(loc="best", fontsize=6, ncol=3)
+    axes[0].set_title("Training-batch load per layer between gates (black: the bounded summary)", fontsize=9)
+    axes[-1].set_xlabel("step (end of the interval)")
     return fig

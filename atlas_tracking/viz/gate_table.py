@@ -1,7 +1,9 @@
-"""A run's gates for the terminal: one row per gate, the failed gates, and what each tracker still lacks.
+"""A run's gates for the terminal: one row per gate, the training-batch load between them, the failed gates, and
+what each tracker still lacks.
 
 :func:`gate_table` is the table (``ref`` is the step the deltas are against: the baseline, or the
-previous gate in pretraining); :func:`run_gates` reads a run directory into the rows, the failed
+previous gate in pretraining); :func:`run_gates` reads a run directory into the rows, the intervals of
+``load.jsonl`` (:func:`~atlas_tracking.viz.train_load.load_view`; None without the file), the failed
 gates of ``errors.jsonl`` and the backlog of each tracker (the history's gates that ``delivered.jsonl``
 does not note for the sink's latest tracker run); :func:`format_run_gates` prints it, as
 ``atlas-tracking gates RUN_DIR`` does (docs/cli.md).
@@ -32,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import gates_file, key, read_history, read_lines
+from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.artifacts.run_dir import RunDir
 from atlas_tracking.viz.tables import c2_cell, format_table, top1
+from atlas_tracking.viz.train_load import format_load, load_view
 
 HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
           "alerts"]
@@ -73,18 +77,21 @@ def backlog(run: RunDir, history: list[dict[str, Any]]) -> dict[str, dict[str, A
 
 
 def run_gates(path: str | Path) -> dict[str, Any]:
-    """A run directory (or its gates file) read for the terminal: rows, failed gates and the trackers' backlog."""
+    """A run directory (or its gates file) read for the terminal: rows, the training-batch load between gates,
+    failed gates and the trackers' backlog."""
     file = gates_file(path)
     run = RunDir(file.parent)
     history = read_history(file)
     failed = [{"step": e["step"], "branch": e.get("branch"), "error": e.get("error")} for e in read_lines(run.errors)]
-    return {"gates_file": str(file), "header": HEADER, "rows": [_row(r) for r in history], "failed": failed,
-            "backlog": backlog(run, history)}
+    return {"gates_file": str(file), "header": HEADER, "rows": [_row(r) for r in history],
+            "load": load_view(read_load(file.parent), history), "failed": failed, "backlog": backlog(run, history)}
 
 
 def format_run_gates(summary: dict[str, Any]) -> str:
     """The text ``atlas-tracking gates`` prints for :func:`run_gates`' answer."""
     lines = [format_table(summary["header"], summary["rows"])]
+    if summary.get("load"):
+        lines += format_load(summary["load"])
     if summary["failed"]:
         lines.append(f"failed gates: {len(summary['failed'])}")
         lines += [f"  step {e['step']}: {e['error']}" for e in summary["failed"]]

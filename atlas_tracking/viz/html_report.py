@@ -8,7 +8,8 @@ from the baseline to the last gate, the last gate's layers x experts load heatma
 (docs/receipts.md#per-expert-load), per-layer C2 of the last gate grouped early / protected / late (figure 5;
 the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
 baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
-gate. For a receipts artifact: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
+gate. A run with ``load.jsonl`` also gets the training-batch load between gates (:func:`load_section`). For a
+receipts artifact: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
 """
 
@@ -24,22 +25,28 @@ from atlas_tracking.artifacts.expert_text import expert_lines, layer_label
 from atlas_tracking.artifacts.gate_report import read_artifact
 from atlas_tracking.artifacts.history import gates_file, read_history, read_lines
 from atlas_tracking.artifacts.io import write_atomic
+from atlas_tracking.artifacts.load_record import read_load
+from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.param_drift import drift_line
 from atlas_tracking.schema.artifacts import ERRORS
+from atlas_tracking.schema.load import SUMMARY_KEYS
 from atlas_tracking.schema.record import FAILED, badge
 from atlas_tracking.viz.figures import (
     STATUS_COLORS,
+    TRAIN_LOAD,
     fig_c2_heatmap,
     fig_expert_load,
     fig_layer_c2,
     fig_loss_c2,
     fig_occupancy,
     fig_timeline,
+    fig_train_load,
     png_bytes,
 )
 from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
+from atlas_tracking.viz.train_load import load_view
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -196,9 +203,58 @@ def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
     return text
 
 
-def run_page(recs: list[dict[str, Any]], title: str,
-             failures: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
-    """The HTML page and its figures for a run's gate records and its failed gates (``errors.jsonl``)."""
+def summary_rows(last: dict[str, Any]) -> list[list[Any]]:
+    """The last interval's bounded summary (:func:`~atlas_tracking.viz.train_load.last_summary`) as table rows:
+    field, tracker key, value; the worst layer's row names it.
+
+    >>> for row in summary_rows({"worst_layer": 3, "worst_layer_name": "model.layers.3.mlp", "load_cv_max": 0.5}):
+    ...     print(row)
+    ['load_cv_max', 'atlas/train/load_cv_max', 0.5]
+    ['worst_layer', 'atlas/train/worst_layer', '3 (model.layers.3.mlp)']
+    """
+    rows = []
+    for field, key in SUMMARY_KEYS.items():
+        value = last.get(field)
+        if field == "worst_layer" and value is not None:
+            value = f"{value} ({last.get('worst_layer_name')})"
+        if value is not None:
+            rows.append([field, key, value])
+    return rows
+
+
+def load_section(lines: list[dict[str, Any]], recs: list[dict[str, Any]]) -> tuple[str, dict[str, bytes]]:
+    """The report's section on the training-batch load between gates (docs/telemetry.md) for a run's ``load.jsonl``
+    intervals and gate records: the per-layer figure over the intervals, the layers x experts picture of the last
+    interval, its bounded summary, the alerts the intervals raised and the early gates; empty without intervals."""
+    view = load_view(lines, recs)
+    if view is None:
+        return "", {}
+    last = lines[-1]
+    figures = {"train_load.png": png_bytes(fig_train_load(lines, recs)),
+               "train_expert_load.png": png_bytes(fig_expert_load(expert_layers(last), last["step"], TRAIN_LOAD))}
+    alerts = "".join(f"<li>step {a['step']} ({html.escape(str(a['level']))}): <b>{html.escape(str(a['title']))}</b>"
+                     f" {html.escape(str(a['text']))}</li>" for a in view["alerts"])
+    early = "".join(f"<li>step {g['step']}, read {html.escape(str(g['status']))} / {html.escape(str(g['stage']))}: "
+                    f"{html.escape(str(g['trigger_reason'] or '-'))}</li>" for g in view["early_gates"])
+    uncounted = "".join(f"<p>Steps {a}-{b}: no interval holds their routes (counted by processes gone before a "
+                        "resume).</p>" for a, b in view["uncounted"])
+    text = f"""<h2>Training-batch load between gates</h2>
+<p>{view['intervals']} interval(s) of the routes the model's router chose in training, steps {view['first_step']}-\
+{view['last_step']} (load.jsonl; docs/telemetry.md).</p>{uncounted}
+{_img(figures['train_load.png'], 'training-batch load per layer between gates')}
+{_img(figures['train_expert_load.png'], 'training-batch expert load at the last interval: layers x experts')}
+<h3>Last interval (steps {view['last']['first_step']}-{view['last']['step']})</h3>
+{_table(['summary', 'tracker key', 'value'], summary_rows(view['last']))}
+<h3>Alarms (raised: WARN; cleared: INFO)</h3>{f'<ul class="alarms">{alerts}</ul>' if alerts else '<p>No interval raised an alarm.</p>'}
+<h3>Early gates (trigger telemetry)</h3>{f'<ul class="early">{early}</ul>' if early else '<p>No early gate ran.</p>'}
+"""
+    return text, figures
+
+
+def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, Any]] = (),
+             load: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
+    """The HTML page and its figures for a run's gate records, its failed gates (``errors.jsonl``) and its
+    training-batch load intervals (``load.jsonl``)."""
     last = recs[-1]
     figures = {
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
@@ -227,6 +283,8 @@ def run_page(recs: list[dict[str, Any]], title: str,
             for r in recs]
     licensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("licensed", []))
     unlicensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("unlicensed", []))
+    load_html, load_figures = load_section(list(load), recs)
+    figures.update(load_figures)
     body = f"""<h1>{html.escape(title)}</h1>
 {opening(last, list(failures))}
 <p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
@@ -236,7 +294,7 @@ def run_page(recs: list[dict[str, Any]], title: str,
 {occupancy_table(recs)}
 <h2>Expert load (last gate)</h2>{_img(figures['expert_load.png'], 'expert load: layers x experts')}
 <p>{html.escape(expert_text(last.get('layers', [])))}</p>
-<h2>Per-layer C2 (last gate)</h2>{layer_c2}
+{load_html}<h2>Per-layer C2 (last gate)</h2>{layer_c2}
 <h2>C2: layers x gates</h2>{heatmap}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
@@ -278,7 +336,7 @@ def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None
     else:
         errors = gates_file(source).with_name(ERRORS)
         page, figures = run_page(read_history(source), f"atlas run: {source.name}",
-                                 read_lines(errors) if errors.is_file() else [])
+                                 read_lines(errors) if errors.is_file() else [], read_load(errors.parent))
     if png_dir is not None:
         png_dir = Path(png_dir)
         png_dir.mkdir(parents=True, exist_ok=True)
