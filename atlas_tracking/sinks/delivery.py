@@ -119,7 +119,8 @@ class Delivery:
             sink.name, lambda item: self._deliver(sink, item),
             failed=lambda item, exc, again: None if again else self._failed(sink.name, item, exc),
             recovered=lambda: self.warn(f"atlas: {sink.name} is reachable again; queued gates and alerts were delivered"),
-            limit=self.backlog_limit, dropped=lambda n: self._dropped(sink.name, n))
+            limit=self.backlog_limit, dropped=lambda n: self._dropped(sink.name, n),
+            dropped_intervals=lambda n: self._dropped_intervals(sink.name, n))
 
     def backlog_size(self, name: str) -> int:
         """Gates and alerts not yet delivered to a sink (queued, or in flight)."""
@@ -143,6 +144,11 @@ class Delivery:
     def _dropped(self, name: str, dropped: int) -> None:
         self.warn(f"atlas: {name} backlog is full; the {dropped} oldest queued gate(s) or alert(s) "
                   "were dropped from memory (they stay in the local record and are sent at the next resume)")
+
+    def _dropped_intervals(self, name: str, dropped: int) -> None:
+        self.warn(f"atlas: {name} backlog is full; the {dropped} oldest queued training-batch load interval(s) were "
+                  f"dropped from memory (they stay in load.jsonl; at most {self.backlog_limit} intervals wait for a "
+                  "tracker, apart from its gates and alerts)")
 
     def _call(self, sink: Any, items: list[tuple[str, tuple]]) -> None:
         self._workers[sink.name].put(items)

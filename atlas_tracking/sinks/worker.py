@@ -54,14 +54,18 @@ class SinkWorker:
         failed: told of a failed call with the exception and whether the sink had already failed before.
         recovered: told when a sink that had failed has delivered its whole queue.
         limit: the most gates and alerts kept after a failure (one more unit while a call is running); older
-            units are dropped, whole, oldest first, and ``dropped`` is told how many.
+            units are dropped, whole, oldest first, and ``dropped`` is told how many. Apart from them, at most
+            ``limit`` intervals (:data:`INTERVAL`) are kept, the oldest dropped first, and ``dropped_intervals`` is
+            told how many.
     """
 
     def __init__(self, name: str, deliver: Callable[[Item], None],
                  failed: Callable[[Item, Exception, bool], None], recovered: Callable[[], None] = lambda: None,
-                 limit: int = 1000, dropped: Callable[[int], None] = lambda n: None):
+                 limit: int = 1000, dropped: Callable[[int], None] = lambda n: None,
+                 dropped_intervals: Callable[[int], None] = lambda n: None):
         self.name, self.limit = name, limit
         self._deliver, self._failed, self._recovered, self._dropped = deliver, failed, recovered, dropped
+        self._dropped_intervals = dropped_intervals
         self._units: deque[list[Item]] = deque()
         self._current: list[Item] | None = None
         self._since: float | None = None
@@ -85,22 +89,29 @@ class SinkWorker:
         with self._cond:
             return [item for unit in ([self._current] if self._current else []) + list(self._units) for item in unit]
 
-    def _trim(self, limit: int) -> int:
+    def _trim(self, limit: int) -> tuple[int, int]:
         """Drop whole queued units, oldest first, until at most ``limit`` gates and alerts wait (never the newest
-        unit, nor the one in flight), and at most ``limit`` intervals; returns how many were dropped. Called with
-        the lock held."""
-        dropped = 0
+        unit, nor the one in flight), and at most ``self.limit`` intervals; returns how many units of gates and
+        alerts, and how many intervals, were dropped. Called with the lock held."""
         intervals = [unit for unit in self._units if _interval(unit)]
-        for unit in intervals[:max(0, len(intervals) - self.limit)]:
+        stale = intervals[:max(0, len(intervals) - self.limit)]
+        for unit in stale:
             self._units.remove(unit)
-            dropped += 1
+        dropped = 0
         while self._size() > limit and len(self._units) > 1:
             drop = next((u for u in self._units if not _interval(u)), None)
             if drop is None or drop is self._units[-1]:
                 break
             self._units.remove(drop)
             dropped += 1
-        return dropped
+        return dropped, len(stale)
+
+    def _report(self, dropped: tuple[int, int]) -> None:
+        """Say what :meth:`_trim` dropped (called without the lock)."""
+        if dropped[0]:
+            self._dropped(dropped[0])
+        if dropped[1]:
+            self._dropped_intervals(dropped[1])
 
     def put(self, unit: list[Item]) -> None:
         """Queue a unit and wake the worker (a queue over ``limit`` plus this unit drops its oldest units)."""
@@ -112,8 +123,7 @@ class SinkWorker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"atlas-delivery-{self.name}", daemon=True)
                 self._thread.start()
-        if dropped:
-            self._dropped(dropped)
+        self._report(dropped)
 
     def kick(self) -> None:
         """Retry the queue now (at the end of training), as the next gate would."""
@@ -180,8 +190,7 @@ class SinkWorker:
                     self._current, again, self.down = None, self.down, True
                     dropped = self._trim(self.limit)
                 self._failed(item, exc, again)
-                if dropped:
-                    self._dropped(dropped)
+                self._report(dropped)
                 return
             with self._cond:
                 self._since = None

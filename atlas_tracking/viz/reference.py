@@ -6,7 +6,9 @@ page with the Markdown table :data:`GENERATORS` makes from its declaration:
 - ``configuration``: every key of the configuration tree (:mod:`atlas_tracking.schema.config`), its type,
   default and docstring;
 - ``record-fields``: every field of the gate record (:mod:`atlas_tracking.schema.record`) by section;
-- ``tracker-keys``: every key a tracker receives, derived from the record's :class:`Metric` marks;
+- ``load-fields``: every field of a line of ``load.jsonl`` and of its layers (:mod:`atlas_tracking.schema.load`);
+- ``tracker-keys``: every key a tracker receives, derived from the :class:`Metric` marks of the gate record and
+  of the training-batch summary (:class:`~atlas_tracking.schema.load.LoadSummary`);
 - ``families``: the transformers family table (:mod:`atlas_tracking.adapters.families`), read and refused.
 
 Example:
@@ -20,6 +22,8 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
+import sys
 import textwrap
 import typing
 from collections.abc import Callable
@@ -29,6 +33,7 @@ from atlas_tracking.adapters.families import FAMILIES, REFUSED, REFUSED_ALIASES
 from atlas_tracking.adapters.hf import Family
 from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.schema import config as config_schema
+from atlas_tracking.schema import load as load_schema
 from atlas_tracking.schema import record as record_schema
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.record import METRIC_NAMES, VERDICT_CODES, Stage, Status, metric_fields
@@ -41,6 +46,11 @@ def attribute_docs(cls: type) -> dict[str, str]:
     ['handoff_margin', 'refine_margin', 'handoff_layer', 'refine_layer', 'refine_margin_ci', 'refine_reference']
     >>> attribute_docs(record_schema.Summary)["c2"]
     'Mean C2 over the routed layers.'
+
+    A TypedDict's bases are not in its ``__mro__``; they are read from its class statement:
+
+    >>> attribute_docs(record_schema.LayerRecord)["c2"] == attribute_docs(record_schema.LayerReceipts)["c2"]
+    True
     """
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
@@ -50,7 +60,13 @@ def attribute_docs(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        statement = ast.parse(source).body[0]
+        if typing.is_typeddict(klass):
+            for base in statement.bases:  # type: ignore[attr-defined]
+                parent = getattr(sys.modules[klass.__module__], base.id, None) if isinstance(base, ast.Name) else None
+                if parent is not klass and typing.is_typeddict(parent):
+                    out.update(attribute_docs(parent))
+        body = statement.body  # type: ignore[attr-defined]
         for node, after in itertools.pairwise(body):
             name = None
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -77,7 +93,7 @@ def _type_text(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
     text = getattr(tp, "__name__", None) if isinstance(tp, type) else None
-    return text or str(tp).replace("typing.", "").replace("atlas_tracking.schema.record.", "")
+    return text or re.sub(r"atlas_tracking\.schema\.\w+\.", "", str(tp).replace("typing.", ""))
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -138,6 +154,28 @@ def record_fields() -> str:
     return "\n\n".join(parts)
 
 
+# --- the training-batch load record ---------------------------------------------------------------------
+
+LOAD_SECTIONS = (("LoadLine", "a line of `load.jsonl`"), ("LoadLayer", "each entry of `layers`"))
+"""The sections of a ``load.jsonl`` line (:mod:`atlas_tracking.schema.load`) in the order the docs list them."""
+
+
+def load_fields() -> str:
+    """One table per section of a ``load.jsonl`` line: field, type, meaning.
+
+    >>> print(load_fields().splitlines()[7])
+    | `step` | `int` | The last optimizer step of the interval (the line's key). |
+    """
+    parts = []
+    for name, where in LOAD_SECTIONS:
+        cls = getattr(load_schema, name)
+        hints, docs = typing.get_type_hints(cls, vars(load_schema)), attribute_docs(cls)
+        rows = [[f"`{key}`", f"`{_type_text(tp)}`", docs.get(key, "")] for key, tp in hints.items()]
+        doc = " ".join((inspect.getdoc(cls) or "").split())
+        parts.append(f"### {name} ({where})\n\n{doc}\n\n" + _table(["field", "type", "meaning"], rows))
+    return "\n\n".join(parts)
+
+
 # --- tracker keys -------------------------------------------------------------------------------------
 
 DERIVED_METRICS = {
@@ -150,6 +188,50 @@ DERIVED_METRICS = {
     + ", ".join(f"{v} {c}" for v, c in VERDICT_CODES.items()) + ".",
 }
 """Tracker keys computed from a record rather than copied from one field."""
+
+LOAD_KIND = "training batches, per interval"
+PICTURE_KIND = "training batches, every `telemetry.picture_every` intervals"
+
+RANKED_METRICS = {
+    "top1_expert": "The worst layer's i-th busiest expert in the interval (its index in the layer; ties go to the "
+    "lower index), i = 1 to `telemetry.top_experts`.",
+    "top1_share": "That busiest expert's share of the worst layer's routes in the interval (4 digits).",
+    "bottom1_expert": "The worst layer's i-th idlest expert in the interval (its index in the layer; ties go to the "
+    "lower index), i = 1 to `telemetry.top_experts`.",
+    "bottom1_share": "That idlest expert's share of the worst layer's routes in the interval (4 digits).",
+}
+"""The meaning of each per-expert key of :func:`~atlas_tracking.schema.load.ranked_keys`, by its first rank's name
+(the table writes ``<i>`` for the rank)."""
+
+PICTURE_KEYS = {
+    "train/experts": "W&B table: one row per routed layer and expert of the interval (step, layer, name, expert, "
+    "routes, share, dead). MLflow receives the interval's line as the artifact `atlas/load/step_<step>.json`.",
+    "train/expert_load": "W&B image: the layers x experts picture of the interval's routes. MLflow receives it as the "
+    "artifact `atlas/figures/train_expert_load_<step>.png`.",
+}
+"""The training-batch table and picture, sent with every ``telemetry.picture_every``-th interval (never scalars)."""
+
+
+def load_keys() -> list[list[str]]:
+    """The tracker-key rows of the training-batch load between gates: the bounded summary, the worst layer's ranked
+    experts and the picture; nothing per layer, whatever the model's depth and width.
+
+    >>> for row in load_keys()[-6:]:
+    ...     print(row[0], "|", row[1])
+    `atlas/train/top<i>_expert` | training batches, per interval
+    `atlas/train/top<i>_share` | training batches, per interval
+    `atlas/train/bottom<i>_expert` | training batches, per interval
+    `atlas/train/bottom<i>_share` | training batches, per interval
+    `atlas/train/experts` | training batches, every `telemetry.picture_every` intervals
+    `atlas/train/expert_load` | training batches, every `telemetry.picture_every` intervals
+    """
+    docs = attribute_docs(load_schema.LoadSummary)
+    rows = [[f"`{key}`", LOAD_KIND, docs.get(name, "")] for name, key in load_schema.SUMMARY_KEYS.items()]
+    for key in load_schema.ranked_keys(1):
+        rank = key.rsplit("/", 1)[1]
+        rows.append(["`" + re.sub(r"(top|bottom)1_", r"\1<i>_", key) + "`", LOAD_KIND, RANKED_METRICS[rank]])
+    rows += [[f"`atlas/{key}`", PICTURE_KIND, text] for key, text in PICTURE_KEYS.items()]
+    return rows
 
 
 def tracker_keys() -> str:
@@ -170,6 +252,7 @@ def tracker_keys() -> str:
     layer_docs = attribute_docs(record_schema.LayerRecord)
     rows += [[f"`atlas/layer_NN/{key}`", "per routed layer", layer_docs.get(key, "")]
              for key in metric_fields(record_schema.LayerRecord)]
+    rows += load_keys()
     return _table(["key", "kind", "meaning"], rows)
 
 
@@ -233,6 +316,7 @@ def families() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "configuration": configuration,
     "record-fields": record_fields,
+    "load-fields": load_fields,
     "tracker-keys": tracker_keys,
     "families": families,
 }
@@ -242,10 +326,11 @@ GENERATORS: dict[str, Callable[[], str]] = {
 def expand(markdown: str) -> str:
     """``markdown`` with every ``<!-- generated: NAME -->`` line replaced by its table; an unknown name is an error.
 
-    >>> expand("<!-- generated: nothing -->")
-    Traceback (most recent call last):
-    ...
-    KeyError: "unknown generated section 'nothing'; known: configuration, record-fields, tracker-keys, families"
+    >>> try:
+    ...     expand("<!-- generated: nothing -->")
+    ... except KeyError as exc:
+    ...     print(exc.args[0])
+    unknown generated section 'nothing'; known: configuration, record-fields, load-fields, tracker-keys, families
     """
     out = []
     for line in markdown.splitlines():

@@ -11,19 +11,29 @@ import pytest
 
 from atlas_tracking import AtlasConfig
 from atlas_tracking.adapters.families import FAMILIES, REFUSED
+from atlas_tracking.artifacts.load_summary import load_metrics
 from atlas_tracking.artifacts.record import gate_metrics
 from atlas_tracking.gate import AtlasGate
+from atlas_tracking.schema import load as load_schema
 from atlas_tracking.schema import record as schema
 from atlas_tracking.schema.config import AlertRule
 from atlas_tracking.testing.families import family_model
 from atlas_tracking.testing.tiny import SMALL_GATE, random_canary
-from atlas_tracking.viz.reference import expand
+from atlas_tracking.viz.reference import attribute_docs, expand
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def page(name: str) -> str:
     return expand((DOCS / name).read_text())
+
+
+def documented_keys(text: str) -> list[re.Pattern]:
+    """The tracker keys a page's tables name, as patterns (``NN``: a layer, ``<group>``: a module group, ``<i>``: a
+    rank)."""
+    documented = set(re.findall(r"^\| `(atlas/[^`]+)` \|", text, re.M))
+    return [re.compile("^" + re.escape(k).replace("NN", r"\d\d").replace("<group>", r"\w+").replace("<i>", r"\d+")
+                       + "$") for k in documented]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +87,7 @@ def test_every_record_field_of_a_real_gate_is_declared_and_documented(records):
 
 
 def test_every_tracker_key_of_a_real_gate_is_documented(records):
-    text = page("trackers.md")
-    documented = set(re.findall(r"^\| `(atlas/[^`]+)` \|", text, re.M))
-    patterns = [re.compile("^" + re.escape(k).replace("NN", r"\d\d").replace("<group>", r"\w+") + "$")
-                for k in documented]
+    patterns = documented_keys(page("trackers.md"))
     for rec in records:
         for key in gate_metrics(rec):
             assert any(p.match(key) for p in patterns), key
@@ -90,3 +97,40 @@ def test_every_tracker_key_of_a_real_gate_is_documented(records):
 def test_a_placeholder_with_an_unknown_name_is_an_error():
     with pytest.raises(KeyError, match="unknown generated section 'nope'"):
         expand("<!-- generated: nope -->\n")
+
+
+def test_every_training_batch_key_is_documented_and_no_other():
+    """Every key an interval can send (an expert-parallel layer with a capacity limit: every optional summary, and
+    ranked experts up to 5), and the picture and table, are in the tracker-key table; the table names no
+    ``atlas/train/`` key the code does not send."""
+    text = page("trackers.md")
+    line = {"step": 20, "tokens": 64, "layers": [
+        {"layer": 0, "name": "a", "load": [40, 30, 20, 10, 10, 10, 5, 3], "dropped": 4, "ep_tokens": [70, 58]},
+        {"layer": 1, "name": "b", "load": [16] * 8, "dropped": 0, "ep_tokens": [64, 64]}],
+        "breach": [{"layer": 0}], "alarm": True}
+    metrics = load_metrics(line, top=5)
+    assert set(load_schema.SUMMARY_KEYS.values()) <= set(metrics)
+    patterns = documented_keys(text)
+    for key in [*metrics, "atlas/train/experts", "atlas/train/expert_load"]:
+        assert any(p.match(key) for p in patterns), key
+    rows = re.findall(r"^\| `(atlas/train/[^`]+)` \|", text, re.M)
+    ranked = [k.replace("1_", "<i>_") for k in load_schema.ranked_keys(1)]
+    assert rows == [*load_schema.SUMMARY_KEYS.values(), *ranked, "atlas/train/experts", "atlas/train/expert_load"]
+
+
+def test_the_telemetry_page_lists_every_field_of_a_load_line():
+    text = page("telemetry.md")
+    for cls in (load_schema.LoadLine, load_schema.LoadLayer):
+        section = text.split(f"### {cls.__name__} (", 1)[1].split("\n#", 1)[0]
+        rows = {cells[1].strip(): cells[3].strip() for cells in
+                (re.split(r"(?<!\\)\|", x) for x in section.splitlines() if x.startswith("| `"))}
+        assert list(rows) == [f"`{key}`" for key in schema.fields(cls)]
+        assert all(rows.values()), rows  # every field has its meaning
+
+
+def test_per_layer_tracker_keys_carry_their_meaning():
+    """The per-layer keys' meanings come from the sections :class:`LayerRecord` is built from (a TypedDict's
+    bases are not in its MRO)."""
+    text = page("trackers.md")
+    line = next(x for x in text.splitlines() if x.startswith("| `atlas/layer_NN/c2` |"))
+    assert line.endswith(f"| {attribute_docs(schema.LayerReceipts)['c2']} |")
