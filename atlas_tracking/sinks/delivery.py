@@ -178,10 +178,12 @@ class Delivery:
     def load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
         """One interval of training-batch load (already in ``load.jsonl``) queued for every sink that takes one
         (``log_load(line, metrics, step, picture)``; ``picture``: draw the layers x experts picture and table)."""
-        line, metrics = copy.deepcopy((line, metrics))
-        for sink in self.sinks:
-            if callable(getattr(sink, INTERVAL, None)):
-                self._call(sink, [(INTERVAL, (line, metrics, step, picture))])
+        takers = [sink for sink in self.sinks if callable(getattr(sink, INTERVAL, None))]
+        if not takers:
+            return
+        line, metrics = copy.deepcopy((line, metrics))  # once, for every sink: the caller may change its own
+        for sink in takers:
+            self._call(sink, [(INTERVAL, (line, metrics, step, picture))])
 
     def catch_up(self, history: list[dict[str, Any]], metrics_of: Callable[[dict[str, Any]], dict[str, float]],
                  step_of: Callable[[dict[str, Any]], int]) -> int:
