@@ -4,7 +4,7 @@ The layout is plain data (:func:`workspace_sections`), so it can be checked offl
 :class:`~atlas_tracking.integrations.wandb.WandbSink` really logs; :func:`build_workspace` turns it
 into a ``wandb_workspaces.workspaces.Workspace`` (no network) and :func:`save_workspace` saves it to
 a W&B project (needs a W&B login). Sections, top to bottom: the verdict (status, stage, loss beside
-C2, the gate table), occupancy, State2 and the V2 axes, drift and the lifecycle margins, and, closed
+C2, the gate table), occupancy, the training batches between gates (docs/telemetry.md), State2 and the V2 axes, drift and the lifecycle margins, and, closed
 by default, the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
 workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section. For a
 top-1 model (a record whose gates state ``c2_absent: top-1 routing``) the panels whose only series is C2 are
@@ -13,10 +13,10 @@ markdown panels titled "C2: n/a (top-1)": the sink logs no C2 key there.
 Example (offline: the layout for a 4-layer model):
     >>> from atlas_tracking.integrations.wandb_workspace import workspace_sections, logged_keys
     >>> [s.name for s in workspace_sections(n_layers=4)]
-    ['atlas: verdict', 'atlas: occupancy', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: per layer']
+    ['atlas: verdict', 'atlas: occupancy', 'atlas: between gates (training batches)', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: per layer']
     >>> "atlas/layer_03/c2" in logged_keys(workspace_sections(n_layers=4))
     True
-    >>> [p.title for p in workspace_sections(n_layers=4, top1=True)[2].panels][0]
+    >>> [p.title for p in workspace_sections(n_layers=4, top1=True)[3].panels][0]
     'C2: n/a (top-1)'
 
 From the command line (``--print`` shows the layout without contacting W&B)::
@@ -34,11 +34,14 @@ from typing import Any, Literal
 from atlas_tracking.integrations.wandb import STEP_KEY
 
 from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
+from atlas_tracking.schema.config import TelemetryConfig
 from atlas_tracking.schema.record import LAYER_METRICS, METRIC_NAMES
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.viz.tables import NA_TOP1, top1
 
 PanelKind = Literal["line", "media", "bar", "table", "markdown"]
+TOP_EXPERTS = TelemetryConfig().top_experts
+"""The busiest and idlest experts of the worst layer the layout shows (``telemetry.top_experts``' default)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,19 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
             _line("router entropy (min, mean over layers; nats)", "min_entropy", "mean_entropy"),
             _line("load CV x100 (mean, worst layer)", "mean_cv", "max_cv"),
             _line("experts active (mean over layers)", "experts_active"),
+        )),
+        SectionSpec("atlas: between gates (training batches)", (
+            _line("load CV, worst layer; busiest expert over the mean", "train/load_cv_max", "train/max_over_mean"),
+            _line("dead fraction (worst layer), normalised entropy (lowest layer)", "train/dead_fraction_max",
+                  "train/entropy_min"),
+            _line("alarm: layers in breach, alarm standing (1)", "train/breach_layers", "train/alarm"),
+            _line("the worst layer (the model's layer number); tokens routed per layer in the interval",
+                  "train/worst_layer", "train/tokens"),
+            _line("the worst layer's busiest and idlest experts' shares of its routes",
+                  *(f"train/{end}{i}_share" for end in ("top", "bottom") for i in range(1, TOP_EXPERTS + 1))),
+            _line("their expert ids", *(f"train/{end}{i}_expert" for end in ("top", "bottom")
+                                        for i in range(1, TOP_EXPERTS + 1))),
+            PanelSpec("media", "training-batch expert load: layers x experts", ("atlas/train/expert_load",)),
         )),
         SectionSpec("atlas: State2 and V2", (
             _line("C2 (mean, worst layer)", "c2", "c2_min"),

@@ -43,6 +43,7 @@ def logged_run(tmp_path_factory):
         gate.run(0, loss=4.0)
         with torch.no_grad():
             module.model.model.layers[0].mlp.gate.weight.mul_(3.0)  # move the router so drift keys are non-zero
+            module.model.train()(torch.randint(0, 256, (4, 32)))  # a training forward: an interval between gates
         gate.run(10, loss=3.5)
         gate.finish()  # tracker calls run in the background: the end of training waits for them
         run_dir = Path(run.dir).parent
