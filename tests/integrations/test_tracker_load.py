@@ -35,6 +35,8 @@ PICTURE = {"atlas/train/experts", "atlas/train/expert_load"}
 OPTIONAL = {SUMMARY_KEYS["overload_factor"], SUMMARY_KEYS["dropped_fraction"]}
 """Summary keys of expert-parallel layers and layers with a capacity limit only (the lines here have neither)."""
 SCALARS = set(SUMMARY_KEYS.values()) - OPTIONAL | set(ranked_keys(TOP))
+TELEMETRY_EVERY_5 = {**QUIET, "telemetry": {**QUIET["telemetry"], "every_n_steps": 5}}
+"""Intervals of 5 steps; no early gate (QUIET's), so the fit's gates stay at the start and its validation."""
 
 
 @pytest.fixture(autouse=True)
@@ -287,8 +289,8 @@ def test_an_interval_is_in_load_jsonl_before_any_tracker_hears_of_it(tmp_path):
     out = tmp_path / "atlas"
     sink = LineOnDisk(out / "load.jsonl")
     module = tiny_module()
-    gate = AtlasGate(module.model, tiny_canary(), {**QUIET, "telemetry": {"every_n_steps": 2}}, out_dir=out,
-                     sinks=[sink])
+    config = {**QUIET, "telemetry": {**QUIET["telemetry"], "every_n_steps": 2}}
+    gate = AtlasGate(module.model, tiny_canary(), config, out_dir=out, sinks=[sink])
     queued = []  # what load.jsonl holds at the moment the interval is handed to the delivery (on this thread)
     handed = gate.delivery.load
 
@@ -324,7 +326,7 @@ def test_a_lightning_fit_sends_each_interval_to_wandb_and_mlflow_at_the_logger_s
     trainer = pl.Trainer(
         max_steps=20, val_check_interval=20, check_val_every_n_epoch=None, logger=[wandb_logger, mlflow_logger],
         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[AtlasCallback(canary=tiny_canary(), config={**QUIET, "telemetry": {"every_n_steps": 5}})],
+        callbacks=[AtlasCallback(canary=tiny_canary(), config=TELEMETRY_EVERY_5)],
         accelerator="cpu", devices=1, enable_checkpointing=False, log_every_n_steps=5,
     )
     trainer.fit(tiny_module(), train, val)
