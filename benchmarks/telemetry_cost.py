@@ -15,9 +15,8 @@ prose windows with AdamW.
   the close out).
 - ``parts``: what the per-step figure is made of, each timed on its own: the counting hooks' bodies, timed inside
   training passes (forward and backward) and called directly on one forward's router outputs ``--calls`` times;
-  a training forward and backward without hooks, with the counting hooks and with :class:`LeanCount` (an
-  alternative hook that adds into a persistent buffer), interleaved; ``AtlasGate.step`` at a step that closes
-  nothing.
+  a training forward and backward without and with the counting hooks, interleaved; ``AtlasGate.step`` at a step
+  that closes nothing.
 - ``close``: one interval close (``AtlasGate.step`` at a step that ends an interval), and its parts (the counter's
   collect, the tracker summary ``load_metrics``, ``append_load``: one line and an fsync, the delivery's copy), at the
   demo's shape and at the DeepSeek-V3 layout (58 routed layers x 256 experts, k = 8, on a width-16 model whose
@@ -28,9 +27,10 @@ prose windows with AdamW.
 - ``bytes``: the ``load.jsonl`` line of one interval at the DeepSeek-V3 layout as the code writes it (the real close
   above, its counts those of 50 steps at a stated global batch), per 1,000 steps at one interval per 50 steps
   (Lightning's default ``log_every_n_steps``, the plain loop's default): extrapolated from one line. With expert
-  parallelism each layer's line also holds ``ep_tokens``, one integer per process of the world: that line is the
-  written one with ``ep_tokens`` added as ``RouteCounter.collect`` makes it, for DeepSeek-V3's 2,048 GPUs (16
-  pipeline stages x 128 data-parallel ranks, expert-parallel groups of 64).
+  parallelism each layer's row also holds ``ep_ranks`` and ``ep_tokens``, one integer each per process that holds
+  the layer's experts: that line is the written one with both added as ``RouteCounter.collect`` makes them, for
+  DeepSeek-V3's 2,048 GPUs (16 pipeline stages x 128 data-parallel ranks, expert-parallel groups of 64: a layer's
+  experts are held by the 128 processes of its stage).
 - ``keys``: the tracker keys of one interval at that layout (``load_metrics`` with the default ``top_experts``), and
   those a real offline W&B run receives through ``WandbSink.log_load`` on an ordinary and on a picture interval
   (read back from its files), against one key per expert per layer.
@@ -58,6 +58,7 @@ from atlas_tracking import AtlasConfig, Canary
 from atlas_tracking.artifacts.history import append_line
 from atlas_tracking.artifacts.load_record import append_load
 from atlas_tracking.artifacts.load_summary import load_metrics
+from atlas_tracking.engine.route_counts import RouteCounter
 from atlas_tracking.gate import AtlasGate
 from atlas_tracking.schema.artifacts import LOAD
 from atlas_tracking.testing.bench import write_result
@@ -166,38 +167,12 @@ def training_steps(pairs: int, out: Path) -> dict[str, Any]:
 
 
 # --- (2) its parts -----------------------------------------------------------------------------------------
-class LeanCount:
-    """The alternative counting hook measured beside the real one: the top-k index the router returned added in place
-    into a persistent ``[E]`` int64 buffer by one ``index_add_`` of a broadcast one (no tensor made per call)."""
-
-    def __init__(self, layers: list[Any]):
-        self.buffers = [torch.zeros(layer.num_experts, dtype=torch.int64) for layer in layers]
-        self.one = torch.ones(1, dtype=torch.int64)
-        self.routers = [layer.router for layer in layers]
-        self.handles: list[Any] = []
-
-    def attach(self) -> None:
-        self.handles = [router.register_forward_hook(self._hook(buffer), with_kwargs=True)
-                        for router, buffer in zip(self.routers, self.buffers)]
-
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def _hook(self, buffer: torch.Tensor) -> Callable[..., None]:
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            index = output[2].reshape(-1)
-            buffer.index_add_(0, index, self.one.expand(index.numel()))
-        return hook
-
-
-def timed_inside(hooks: Any, model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> float:
-    """CPU milliseconds per training pass spent inside the hooks of ``hooks`` (a ``RouteCounter`` or a
-    :class:`LeanCount`: their hooks made by ``_hook``, each call timed), over ``repeats`` forwards and backwards."""
-    hooks.detach()
+def timed_inside(counter: RouteCounter, model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> float:
+    """CPU milliseconds per training pass spent inside the counting hooks (those ``counter._hook`` makes, each call
+    timed), over ``repeats`` forwards and backwards."""
+    counter.detach()
     inside = [0.0]
-    plain = hooks._hook
+    plain = counter._hook
 
     def timed(*made: Any) -> Callable[..., None]:
         body = plain(*made)
@@ -208,18 +183,18 @@ def timed_inside(hooks: Any, model: torch.nn.Module, ids: torch.Tensor, repeats:
             inside[0] += time.process_time() - c
         return hook
 
-    hooks._hook = timed
-    hooks.attach()
+    counter._hook = timed
+    counter.attach()
     for _ in range(repeats):
         model(input_ids=ids, labels=ids).loss.backward()
-    hooks.detach()
-    hooks._hook = plain
+    counter.detach()
+    counter._hook = plain
     return 1000 * inside[0] / repeats
 
 
 def parts(calls: int, repeats: int, out: Path) -> dict[str, Any]:
     """The counting hooks (called directly, and timed inside training passes), a training forward and backward with
-    them, without them and with :class:`LeanCount`, and ``AtlasGate.step`` that closes nothing."""
+    and without them, and ``AtlasGate.step`` that closes nothing."""
     torch.manual_seed(0)
     model = build_qwen3_moe(seed=0).train()
     ids = demo_batches(1, seed=1)[0]
@@ -239,32 +214,21 @@ def parts(calls: int, repeats: int, out: Path) -> dict[str, Any]:
     isolated_ms = 1000 * (time.process_time() - c0) / calls
     counter.reset()
 
-    lean = LeanCount([entry.layer for entry in counter._local])
-
-    def hooked(kind: str) -> None:
-        counter.detach()
-        lean.detach()
-        if kind == "on":
-            counter.attach()
-        elif kind == "lean":
-            lean.attach()
-
     def forward(kind: str) -> float:
-        hooked(kind)
+        (counter.attach if kind == "on" else counter.detach)()
         c = time.process_time()
         model(input_ids=ids, labels=ids).loss.backward()
         return time.process_time() - c
 
-    kinds = ("off", "on", "lean")
+    kinds = ("off", "on")
     for kind in kinds:
         forward(kind)
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for i in range(repeats):
-        for kind in kinds[i % 3:] + kinds[:i % 3]:
+        for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             times[kind].append(forward(kind))
-    same = all(torch.equal(entry.chosen, buffer) for entry, buffer in zip(counter._local, lean.buffers))
     counter.reset()
-    inside = {"on": timed_inside(counter, model, ids, repeats), "lean": timed_inside(lean, model, ids, repeats)}
+    inside = timed_inside(counter, model, ids, repeats)
     counter.attach()
     model.zero_grad(set_to_none=True)
     on.claim()
@@ -274,15 +238,11 @@ def parts(calls: int, repeats: int, out: Path) -> dict[str, Any]:
     step_us = 1e6 * (time.process_time() - c0) / calls
     counter.reset()
     return {
-        "hook_bodies_ms_per_forward_in_training": inside["on"],
-        "lean_hook_bodies_ms_per_forward_in_training": inside["lean"],
+        "hook_bodies_ms_per_forward_in_training": inside,
         "hook_bodies_ms_per_forward_isolated": isolated_ms, "hooked_routers": len(bodies), "calls": calls,
         "forward_backward_ms": {k: spread([1000 * s for s in v]) for k, v in times.items()},
-        "forward_backward_overhead_paired": {k: spread([a / b - 1 for a, b in zip(times[k], times["off"])])
-                                             for k in ("on", "lean")},
-        "forward_backward_extra_ms_paired": {k: spread([1000 * (a - b) for a, b in zip(times[k], times["off"])])
-                                             for k in ("on", "lean")},
-        "lean_counts_equal_the_counters": same,
+        "forward_backward_overhead_paired": spread([a / b - 1 for a, b in zip(times["on"], times["off"])]),
+        "forward_backward_extra_ms_paired": spread([1000 * (a - b) for a, b in zip(times["on"], times["off"])]),
         "gate_step_us_no_close": step_us,
         "pipelining_stage_imported": "torch.distributed.pipelining.stage" in sys.modules,
     }
@@ -416,17 +376,17 @@ def lightning_fit(pairs: int, steps: int) -> dict[str, Any]:
 
 
 # --- (5) bytes of load.jsonl ---------------------------------------------------------------------------------
-def ep_tokens(counts: np.ndarray, layer_slot: int, rng: np.random.Generator) -> list[int]:
-    """One layer's ``ep_tokens`` as ``RouteCounter.collect`` makes it for DeepSeek-V3's parallelism: per global rank
-    (the world), the routes the experts it holds received; the ranks of other pipeline stages hold none of this layer."""
+def ep_fields(counts: np.ndarray, layer_slot: int, rng: np.random.Generator) -> dict[str, list[int]]:
+    """One layer's ``ep_ranks`` and ``ep_tokens`` as ``RouteCounter.collect`` makes them for DeepSeek-V3's
+    parallelism: the global ranks that hold the layer's experts (the 128 processes of its pipeline stage, each
+    holding 4 of the 256 in its expert-parallel group of 64) and the routes each of them received."""
     world, stages = DSV3["world"], DSV3["pipeline_stages"]
     per_stage = world // stages
     stage = layer_slot * stages // len(counts)
     shares = rng.lognormal(0.0, 0.1, size=per_stage)
     received = rng.multinomial(int(counts[layer_slot].sum()), shares / shares.sum())
-    out = [0] * world
-    out[stage * per_stage:(stage + 1) * per_stage] = [int(v) for v in received]
-    return out
+    return {"ep_ranks": list(range(stage * per_stage, (stage + 1) * per_stage)),
+            "ep_tokens": [int(v) for v in received]}
 
 
 def line_bytes(line: dict[str, Any], out: Path) -> int:
@@ -438,19 +398,20 @@ def line_bytes(line: dict[str, Any], out: Path) -> int:
 
 
 def load_bytes(written: dict[str, Any], counts: np.ndarray, out: Path) -> dict[str, Any]:
-    """The written line's bytes and with ``ep_tokens``, per interval and per 1,000 steps (extrapolated)."""
+    """The written line's bytes and with ``ep_ranks`` and ``ep_tokens``, per interval and per 1,000 steps
+    (extrapolated)."""
     rng = np.random.default_rng(1)
     with_ep = copy.deepcopy(written["line"])
     for i, row in enumerate(with_ep["layers"]):
-        row["ep_tokens"] = ep_tokens(counts, i, rng)
+        row.update(ep_fields(counts, i, rng))
     intervals = 1000 // EVERY
     plain = line_bytes(written["line"], out)
     ep = line_bytes(with_ep, out)
     load_only = sum(len(json.dumps(row["load"], separators=(",", ":"))) for row in written["line"]["layers"])
     return {"line_bytes": plain, "line_bytes_measured_in_close": written["line_bytes"],
-            "load_lists_bytes": load_only, "line_bytes_with_ep_tokens": ep,
-            "intervals_per_1000_steps": intervals, "per_1000_steps_bytes": intervals * plain,
-            "per_1000_steps_bytes_with_ep_tokens": intervals * ep}
+            "load_lists_bytes": load_only, "ep_processes_per_layer": len(with_ep["layers"][0]["ep_ranks"]),
+            "line_bytes_with_ep": ep, "intervals_per_1000_steps": intervals, "per_1000_steps_bytes": intervals * plain,
+            "per_1000_steps_bytes_with_ep": intervals * ep}
 
 
 # --- (6) tracker keys --------------------------------------------------------------------------------------
@@ -490,7 +451,7 @@ def tracker_keys(line: dict[str, Any], out: Path, with_wandb: bool) -> dict[str,
     cfg = AtlasConfig.from_dict({})
     metrics = load_metrics(line, cfg.telemetry.top_experts)
     with_ep = copy.deepcopy(line)
-    with_ep["layers"][0]["ep_tokens"] = [1, 2]
+    with_ep["layers"][0].update(ep_ranks=[0, 1], ep_tokens=[1, 2])
     for row in with_ep["layers"]:
         row["dropped"] = 0
     most = load_metrics(with_ep, cfg.telemetry.top_experts)
