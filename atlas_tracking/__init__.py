@@ -2,7 +2,8 @@
 
 The public surface: measure a model on a canary (:func:`measure`, :class:`Canary`, :class:`AtlasConfig`,
 :class:`Baseline`, :class:`GateReport`), run gates from a training loop (:class:`AtlasGate`,
-:class:`ValidationGates`), read a run back (:func:`read_history`, :func:`judge`), and teach the engine a new
+:class:`ValidationGates`), read a run back (:func:`read_history`, :func:`judge`), compare a rollout engine's routing with the
+trainer's (:func:`rollout_agreement`), and teach the engine a new
 MoE block (:class:`RoutedLayer`, :class:`Routing`, :func:`register_family`). Framework callbacks and
 tracker sinks are in ``atlas_tracking.integrations``; the definitions are in ``docs/``.
 
@@ -26,6 +27,7 @@ from atlas_tracking.compat import install as _keep_old_module_paths
 from atlas_tracking.decisions.judge import judge
 from atlas_tracking.engine.canary import Canary, CanaryError
 from atlas_tracking.engine.measure import RouterLogitsError, measure
+from atlas_tracking.engine.rollout import RolloutInputError, rollout_agreement
 from atlas_tracking.engine.selfcheck import AdapterCheckError
 from atlas_tracking.gate import AtlasGate
 from atlas_tracking.schema.config import AtlasConfig, ConfigError
@@ -43,6 +45,7 @@ __all__ = [
     "GateReport",
     "LossSource",
     "NoRoutedLayersError",
+    "RolloutInputError",
     "RoutedLayer",
     "RouterLogitsError",
     "Routing",
@@ -53,6 +56,7 @@ __all__ = [
     "read_artifact",
     "read_history",
     "register_family",
+    "rollout_agreement",
     "verify",
 ]
 __version__ = _installed_version("atlas-tracking")

@@ -76,6 +76,26 @@ def in_pipeline_metadata_inference() -> bool:
     return False
 
 
+_NOT_COUNTED = [0]
+"""How many :func:`not_counted` blocks are open (every counter on this process skips their router calls)."""
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """No counter counts a router call inside the block: a forward that reads the model rather than trains it
+    (a rollout-agreement forward run in training mode), whichever gate's counter is attached.
+
+    >>> with not_counted():
+    ...     _NOT_COUNTED[0]
+    1
+    """
+    _NOT_COUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _NOT_COUNTED[0] -= 1
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -171,7 +191,7 @@ class RouteCounter:
 
     def _hook(self, entry: _Local):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if (self._paused or not module.training or in_backward() or not entry.counting()
+            if (self._paused or _NOT_COUNTED[0] or not module.training or in_backward() or not entry.counting()
                     or in_pipeline_metadata_inference()):
                 return
             inputs = args or tuple(kwargs.values())

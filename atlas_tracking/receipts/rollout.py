@@ -1,0 +1,146 @@
+"""Rollout agreement: the trainer's routing of the rollout's tokens against the rollout engine's own
+(docs/rollout.md#what-is-measured).
+
+Two steps. :func:`compare_tokens` reads one routed layer for N token positions (torch, on the model's device):
+whether the rollout's route can be compared at all, the overlap of the trainer's active set with the rollout's,
+the trainer's relative set margin and the relative score gap the rollout's choice overcame. :func:`layer_agreement`,
+:func:`first_mismatch` and :func:`logprob_agreement` reduce those per-token arrays on the host (numpy).
+
+Example:
+    >>> import numpy as np, torch
+    >>> scores = torch.tensor([[4.0, 3.0, 2.9, 0.0], [4.0, 3.0, 1.0, 0.0], [4.0, 3.0, 1.0, 0.0]])
+    >>> trainer = torch.tensor([[0, 1], [0, 1], [1, 0]])
+    >>> rollout = torch.tensor([[0, 2], [1, 0], [-1, -1]])   # a near tie moved; the same set; no route
+    >>> t = compare_tokens(scores, trainer, rollout)
+    >>> t.usable.tolist(), t.overlap.tolist(), [round(v, 4) for v in t.margin_rel.tolist()]
+    ([True, True, False], [1, 2, 0], [0.0169, 0.5, 0.5])
+    >>> row = layer_agreement(*(np.asarray(v) for v in t.host()), mask=np.ones(3, bool), k=2)
+    >>> row["compared"], row["fallback"], row["mismatched"], row["mismatch"], row["routes_moved"], row["jaccard"]
+    (2, 1, 1, 0.5, 1, 0.666667)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from atlas_tracking.receipts.state1 import set_margin
+
+PRECISIONS = {"bf16": float(torch.finfo(torch.bfloat16).eps), "fp16": float(torch.finfo(torch.float16).eps)}
+"""The precisions near-tie mass is read at: the relative spacing of numbers near 1 (2^-7 and 2^-10)."""
+
+
+@dataclass
+class TokenComparison:
+    """One routed layer's comparison at N token positions (torch, on the scores' device)."""
+
+    usable: torch.Tensor
+    """``[N]`` bool: the rollout's route is a set of k distinct expert ids (no ``-1`` sentinel, no repeat)."""
+    overlap: torch.Tensor
+    """``[N]`` int64: experts in both active sets."""
+    margin_rel: torch.Tensor
+    """``[N]`` fp32: the trainer's set margin over ``|s_k| + |s_k1|`` (NaN without an eligible competitor)."""
+    gap_rel: torch.Tensor
+    """``[N]`` fp32: ``(max of s outside the rollout's set - min of s inside it) / (|s_k| + |s_k1|)``: the relative
+    score change that makes the rollout's set a top-k of the trainer's scores (at most ``margin_rel`` below zero
+    where the sets agree; NaN where not usable or without a competitor; ``inf`` where the rollout chose an
+    expert the trainer's router cannot select)."""
+
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The four arrays on the host, in field order."""
+        return tuple(t.cpu().numpy() for t in (self.usable, self.overlap, self.margin_rel, self.gap_rel))
+
+
+def compare_tokens(scores: torch.Tensor, trainer: torch.Tensor, rollout: torch.Tensor) -> TokenComparison:
+    """Compare the trainer's active sets ``trainer [N, k]`` (selected by ``scores [N, E]``, fp32, ``-inf`` for an
+    ineligible expert) with the rollout's ``rollout [N, k]`` (int64; ``-1`` marks a position without a route)."""
+    k = rollout.shape[1]
+    same_id = rollout[:, :, None] == rollout[:, None, :]
+    usable = (rollout >= 0).all(1) & (same_id.sum((1, 2)) == k)
+    overlap = (trainer[:, :, None] == rollout[:, None, :]).any(2).sum(1)
+    sm = set_margin(scores, trainer)
+    scale = sm.s_k.abs() + sm.s_k1.abs()
+    nan = torch.full_like(scale, float("nan"))
+    margin_rel = torch.where(sm.valid, sm.margin / scale, nan)
+    ids = rollout.clamp(min=0)
+    inside = scores.gather(1, ids).min(1).values
+    outside = scores.scatter(1, ids, float("-inf")).max(1).values
+    gap = (outside - inside) / scale
+    gap_rel = torch.where(usable & sm.valid, torch.nan_to_num(gap, nan=float("inf"), posinf=float("inf")), nan)
+    return TokenComparison(usable=usable, overlap=overlap, margin_rel=margin_rel, gap_rel=gap_rel)
+
+
+def _share(count: int, total: int) -> float | None:
+    return round(count / total, 6) if total else None
+
+
+def layer_agreement(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, gap_rel: np.ndarray,
+                    mask: np.ndarray, k: int) -> dict[str, Any]:
+    """One layer's agreement over the positions where ``mask`` is true (host arrays of :class:`TokenComparison`).
+
+    ``tokens`` counts the masked positions, ``fallback`` those whose rollout route is not usable (counted, never
+    compared), ``compared`` the rest; ``mismatched`` the compared positions whose two active sets differ as sets,
+    ``routes_moved`` their routes to an expert the other engine did not choose, ``jaccard`` the mean Jaccard
+    index of the two sets. ``near_tie`` is the share of compared positions with an eligible competitor whose
+    relative margin is within each precision's rounding (:data:`PRECISIONS`); ``perturbation`` the median, 90th
+    percentile and maximum of the relative score gap the rollout overcame on the mismatched positions (finite
+    ones), and ``boundary_mass`` the share of compared positions whose relative margin is within that median."""
+    mask = mask.astype(bool)
+    compared = mask & usable
+    n = int(compared.sum())
+    same = overlap == k
+    mismatched = int((compared & ~same).sum())
+    moved = int((k - overlap)[compared].sum())
+    jaccard = overlap[compared] / (2 * k - overlap[compared])
+    with_margin = compared & np.isfinite(margin_rel)
+    near_tie = {name: _share(int((margin_rel[with_margin] <= eps).sum()), int(with_margin.sum()))
+                for name, eps in PRECISIONS.items()}
+    gaps = gap_rel[compared & ~same]
+    gaps = gaps[np.isfinite(gaps)]
+    perturbation = boundary = None
+    if gaps.size:
+        median = float(np.median(gaps))
+        perturbation = {"median": median, "p90": float(np.quantile(gaps, 0.9)), "max": float(gaps.max())}
+        boundary = _share(int((margin_rel[with_margin] <= median).sum()), int(with_margin.sum()))
+    return {
+        "tokens": int(mask.sum()), "compared": n, "fallback": int((mask & ~usable).sum()),
+        "mismatched": mismatched, "mismatch": _share(mismatched, n),
+        "jaccard": round(float(jaccard.mean()), 6) if n else None,
+        "routes": k * n, "routes_moved": moved,
+        "near_tie": near_tie, "perturbation": perturbation, "boundary_mass": boundary,
+    }
+
+
+def first_mismatch(mismatch: np.ndarray, compared: np.ndarray, mask: np.ndarray,
+                   layers: list[int]) -> dict[str, Any]:
+    """Per token position (where ``mask``), the first routed layer, in forward order, whose two active sets
+    differ (``mismatch [L, N]``, read only where ``compared [L, N]``): counts per model layer number, and
+    ``none`` for the positions where every compared layer agrees.
+
+    >>> first_mismatch(np.array([[0, 1, 0], [1, 1, 0]], bool), np.ones((2, 3), bool), np.ones(3, bool), [3, 5])
+    {'tokens': 3, 'by_layer': {'3': 1, '5': 1}, 'none': 1}
+    """
+    hit = mismatch.astype(bool) & compared.astype(bool) & mask.astype(bool)[None, :]
+    any_hit = hit.any(0)
+    first = hit.argmax(0)
+    by_layer = {str(layer): int((any_hit & (first == i)).sum()) for i, layer in enumerate(layers)}
+    return {"tokens": int(mask.sum()), "by_layer": by_layer, "none": int((mask.astype(bool) & ~any_hit).sum())}
+
+
+def logprob_agreement(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray) -> dict[str, Any]:
+    """The two engines' log-probabilities of the same tokens, where ``mask`` and both are finite: the mean
+    absolute difference and the k3 estimate of KL(rollout || trainer), ``exp(r) - 1 - r`` with
+    ``r = logp_trainer - logp_rollout``, averaged (unbiased for tokens the rollout sampled).
+
+    >>> logprob_agreement(np.array([-1.0, -2.0]), np.array([-1.0, -2.5]), np.ones(2, bool))
+    {'tokens': 2, 'abs_diff_mean': 0.25, 'k3': 0.053265}
+    """
+    ok = mask.astype(bool) & np.isfinite(rollout) & np.isfinite(trainer)
+    r = (trainer - rollout)[ok].astype(np.float64)
+    if not r.size:
+        return {"tokens": 0, "abs_diff_mean": None, "k3": None}
+    return {"tokens": int(r.size), "abs_diff_mean": round(float(np.abs(r).mean()), 6),
+            "k3": round(float(np.mean(np.expm1(r) - r)), 6)}
