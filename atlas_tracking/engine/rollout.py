@@ -29,6 +29,7 @@ Example (a rollout engine that routes the same as the trainer, but for one plant
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,20 @@ from torch import nn
 
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.engine.param_reference import collective_device
 from atlas_tracking.engine.route_counts import not_counted
 from atlas_tracking.receipts.rollout import (
+    COUNTS,
+    LOGPROB_COUNTS,
     TokenComparison,
     compare_tokens,
     first_mismatch,
-    layer_agreement,
-    logprob_agreement,
+    layer_counts,
+    layer_row,
+    logprob_counts,
+    logprob_row,
+    mismatch_gaps,
+    within,
 )
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]
@@ -229,10 +237,120 @@ def _as_logprobs(value: Any, shape: tuple[int, int], name: str) -> np.ndarray:
     return array
 
 
+@dataclass
+class Readout:
+    """One forward's comparison, on the host, before it is summarised (:func:`summarize`)."""
+
+    layers: list[RoutedLayer]
+    axis: str
+    """``routed`` or ``decoder``: the layer axis the rollout's array had."""
+    fields: list[np.ndarray]
+    """``usable``, ``overlap``, ``margin_rel``, ``gap_rel``: each ``[routed layers, batch * seq]`` (batch-major)."""
+    mask: np.ndarray
+    """``[batch * seq]`` bool: the positions compared."""
+    logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    """The rollout's and the trainer's ``[batch * seq]`` log-probabilities, when the rollout's were given."""
+
+    def layer_arrays(self, i: int) -> tuple[np.ndarray, ...]:
+        return tuple(field[i] for field in self.fields)
+
+
+def read_agreement(model: nn.Module, input_ids: Any, routed_experts: Any, attention_mask: Any = None, *,
+                   rollout_logprobs: Any = None, trainer_logprobs: Any = None, forward: Forward | None = None,
+                   layers: list[RoutedLayer] | None = None) -> Readout:
+    """The model's forward on ``input_ids`` with its routing compared to ``routed_experts`` per token position
+    (the arguments of :func:`rollout_agreement`); nothing summarised yet."""
+    layers = layers if layers is not None else find_routed_layers(model)
+    routes = _integer_routes(routed_experts)
+    axis, rows = _layer_rows(model, layers, routes.shape[2])
+    ids, mask = _batch(model, input_ids, attention_mask)
+    _check(routes, ids, mask, layers, rows)
+    batch, seq = ids.shape
+    theirs = [_router_rows(routes[:, :, row], layer) for row, layer in zip(rows, layers)]
+
+    def compare(i: int, routing: Any, start: int) -> TokenComparison:
+        given = theirs[i][start:start + len(routing.active)].to(routing.active.device)
+        if len(given) != len(routing.active):
+            raise RolloutInputError(f"routed layer {layers[i].index} ({layers[i].name}) routed more token "
+                                    f"positions than the batch holds ({batch * seq})")
+        return compare_tokens(routing.scores.float(), routing.active, given)
+
+    reads = _RouterReads(layers, compare)
+    output = reads.run(lambda: (forward or default_forward)(model, ids, mask), batch * seq)
+    readout = Readout(layers, axis, _host_fields(reads.parts, layers, batch, seq),
+                      mask.bool().cpu().numpy().reshape(-1))
+    if rollout_logprobs is not None:
+        shape = (batch, seq)
+        ours = (_as_logprobs(trainer_logprobs, shape, "trainer_logprobs") if trainer_logprobs is not None
+                else _trainer_logprobs(output, ids))
+        readout.logprobs = (_as_logprobs(rollout_logprobs, shape, "rollout_logprobs").reshape(-1), ours.reshape(-1))
+    return readout
+
+
+def _all_processes() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def _summed(values: list[float], across: bool) -> list[float]:
+    """``values`` summed over every process when ``across`` (float64, one ``all_reduce``)."""
+    if not (across and _all_processes()):
+        return values
+    vector = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    torch.distributed.all_reduce(vector)
+    return vector.cpu().tolist()
+
+
+def _gathered(gaps: list[np.ndarray], across: bool) -> list[np.ndarray]:
+    """Every process's mismatched-position gaps, per layer, when ``across`` (one ``all_gather_object``)."""
+    if not (across and _all_processes()):
+        return gaps
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, [g.tolist() for g in gaps])
+    return [np.asarray([v for part in every for v in part[i]], dtype=np.float64) for i in range(len(gaps))]
+
+
+def summarize(readout: Readout, replayed: bool = False, across_processes: bool = True) -> dict[str, Any]:
+    """The result :func:`rollout_agreement` returns; with ``across_processes``, summed over every process of the
+    default process group when one is initialised (collective: every process calls it, each with its own batch):
+    counts are summed, the perturbation's quantiles are those of every process's mismatched positions together
+    and the boundary mass is counted at their median (three collectives)."""
+    layers, mask = readout.layers, readout.mask
+    ks = [int(layer.top_k) for layer in layers]
+    counts = [layer_counts(*readout.layer_arrays(i)[:3], mask=mask, k=k) for i, k in enumerate(ks)]
+    mismatch = readout.fields[1] != np.array(ks)[:, None]
+    first = first_mismatch(mismatch, readout.fields[0], mask, [int(layer.index) for layer in layers])
+    lp = logprob_counts(*readout.logprobs, mask) if readout.logprobs is not None else None
+    flat = [c[name] for c in counts for name in COUNTS] + [first["tokens"], first["none"], *first["by_layer"].values()]
+    flat += [lp[name] for name in LOGPROB_COUNTS] if lp is not None else []
+    flat = _summed(flat, across_processes)
+    width = len(COUNTS)
+    counts = [dict(zip(COUNTS, flat[i * width:(i + 1) * width])) for i in range(len(layers))]
+    rest = flat[len(layers) * width:]
+    first = {"tokens": int(rest[0]), "by_layer": {key: int(v) for key, v in zip(first["by_layer"], rest[2:])},
+             "none": int(rest[1])}
+    gaps = _gathered([mismatch_gaps(*(readout.fields[j][i] for j in (0, 1, 3)), mask=mask, k=k)
+                      for i, k in enumerate(ks)], across_processes)
+    medians = [float(np.median(g)) if g.size else float("nan") for g in gaps]
+    boundary = _summed([within(readout.fields[0][i], readout.fields[2][i], mask, m) if g.size else 0
+                        for i, (g, m) in enumerate(zip(gaps, medians))], across_processes)
+    result: dict[str, Any] = {
+        "tokens": first["tokens"], "layer_axis": readout.axis, "replayed": bool(replayed),
+        "layers": [{"layer": int(layer.index), "name": layer.name,
+                    **layer_row(c, g, k, int(b) if g.size else None)}
+                   for layer, c, g, k, b in zip(layers, counts, gaps, ks, boundary)],
+        "first_mismatch": first,
+    }
+    if lp is not None:
+        result["logprobs"] = logprob_row(dict(zip(LOGPROB_COUNTS, rest[2 + len(layers):])))
+    return result
+
+
 def rollout_agreement(model: nn.Module, input_ids: Any, routed_experts: Any, attention_mask: Any = None, *,
                       rollout_logprobs: Any = None, trainer_logprobs: Any = None, replayed: bool = False,
                       forward: Forward | None = None, layers: list[RoutedLayer] | None = None) -> dict[str, Any]:
-    """The trainer's routing of ``input_ids`` against the rollout's ``routed_experts`` (docs/rollout.md).
+    """The trainer's routing of ``input_ids`` against the rollout's ``routed_experts`` (docs/rollout.md), for this
+    process's batch.
 
     Args:
         model: the model as the trainer holds it (dtype, device, mode: its routing is what the update uses).
@@ -254,42 +372,9 @@ def rollout_agreement(model: nn.Module, input_ids: Any, routed_experts: Any, att
         ``layer``, the model's own layer number, and ``name``), ``first_mismatch``, ``tokens``, ``layer_axis``
         (``routed`` or ``decoder``), ``replayed`` and, with ``rollout_logprobs``, ``logprobs``.
     """
-    layers = layers if layers is not None else find_routed_layers(model)
-    routes = _integer_routes(routed_experts)
-    axis, rows = _layer_rows(model, layers, routes.shape[2])
-    ids, mask = _batch(model, input_ids, attention_mask)
-    _check(routes, ids, mask, layers, rows)
-    batch, seq = ids.shape
-    theirs = [_router_rows(routes[:, :, row], layer) for row, layer in zip(rows, layers)]
-
-    def compare(i: int, routing: Any, start: int) -> TokenComparison:
-        given = theirs[i][start:start + len(routing.active)].to(routing.active.device)
-        if len(given) != len(routing.active):
-            raise RolloutInputError(f"routed layer {layers[i].index} ({layers[i].name}) routed more token "
-                                    f"positions than the batch holds ({batch * seq})")
-        return compare_tokens(routing.scores.float(), routing.active, given)
-
-    reads = _RouterReads(layers, compare)
-    output = reads.run(lambda: (forward or default_forward)(model, ids, mask), batch * seq)
-    flat_mask = mask.bool().cpu().numpy().reshape(-1)
-    host = _host_fields(reads.parts, layers, batch, seq)
-    result_layers = [
-        {"layer": int(layer.index), "name": layer.name,
-         **layer_agreement(*(field[i] for field in host), mask=flat_mask, k=int(layer.top_k))}
-        for i, layer in enumerate(layers)]
-    mismatch = host[1] != np.array([int(layer.top_k) for layer in layers])[:, None]
-    result: dict[str, Any] = {
-        "tokens": int(flat_mask.sum()), "layer_axis": axis, "replayed": bool(replayed), "layers": result_layers,
-        "first_mismatch": first_mismatch(mismatch, host[0], flat_mask,
-                                         [int(layer.index) for layer in layers]),
-    }
-    if rollout_logprobs is not None:
-        shape = (batch, seq)
-        theirs = _as_logprobs(rollout_logprobs, shape, "rollout_logprobs")
-        ours = (_as_logprobs(trainer_logprobs, shape, "trainer_logprobs") if trainer_logprobs is not None
-                else _trainer_logprobs(output, ids))
-        result["logprobs"] = logprob_agreement(theirs.reshape(-1), ours.reshape(-1), flat_mask)
-    return result
+    readout = read_agreement(model, input_ids, routed_experts, attention_mask, rollout_logprobs=rollout_logprobs,
+                             trainer_logprobs=trainer_logprobs, forward=forward, layers=layers)
+    return summarize(readout, replayed, across_processes=False)
 
 
 def trainer_routes(model: nn.Module, input_ids: Any, attention_mask: Any = None, *,

@@ -73,8 +73,61 @@ def compare_tokens(scores: torch.Tensor, trainer: torch.Tensor, rollout: torch.T
     return TokenComparison(usable=usable, overlap=overlap, margin_rel=margin_rel, gap_rel=gap_rel)
 
 
-def _share(count: int, total: int) -> float | None:
+def _share(count: float, total: float) -> float | None:
     return round(count / total, 6) if total else None
+
+
+COUNTS = ("tokens", "compared", "fallback", "mismatched", "routes_moved", "jaccard_sum", "with_margin",
+          *(f"near_tie_{name}" for name in PRECISIONS))
+"""What :func:`layer_counts` adds up over positions (and processes): ``jaccard_sum`` is a sum of ratios, every
+other a count; ``with_margin`` counts the compared positions with an eligible competitor."""
+
+
+def layer_counts(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, mask: np.ndarray,
+                 k: int) -> dict[str, float]:
+    """One layer's sums over the positions where ``mask`` is true (:data:`COUNTS`): host arrays of
+    :class:`TokenComparison`. Sums over several processes' positions add up."""
+    mask = mask.astype(bool)
+    compared = mask & usable
+    both = overlap[compared]
+    margins = margin_rel[compared & np.isfinite(margin_rel)]
+    return {
+        "tokens": int(mask.sum()), "compared": int(compared.sum()), "fallback": int((mask & ~usable).sum()),
+        "mismatched": int((both != k).sum()), "routes_moved": int((k - both).sum()),
+        "jaccard_sum": float((both / (2 * k - both)).sum()), "with_margin": int(margins.size),
+        **{f"near_tie_{name}": int((margins <= eps).sum()) for name, eps in PRECISIONS.items()},
+    }
+
+
+def mismatch_gaps(usable: np.ndarray, overlap: np.ndarray, gap_rel: np.ndarray, mask: np.ndarray,
+                  k: int) -> np.ndarray:
+    """The finite relative gaps of the compared positions whose sets differ (a process's share of them)."""
+    gaps = gap_rel[mask.astype(bool) & usable & (overlap != k)]
+    return gaps[np.isfinite(gaps)]
+
+
+def within(usable: np.ndarray, margin_rel: np.ndarray, mask: np.ndarray, bound: float) -> int:
+    """Compared positions with an eligible competitor whose relative margin is at most ``bound``."""
+    margins = margin_rel[mask.astype(bool) & usable & np.isfinite(margin_rel)]
+    return int((margins <= bound).sum())
+
+
+def layer_row(counts: dict[str, float], gaps: np.ndarray, k: int, boundary: int | None) -> dict[str, Any]:
+    """One layer's agreement from its :func:`layer_counts`, its :func:`mismatch_gaps` and the count
+    :func:`within` the gaps' median (None without gaps), the way :func:`layer_agreement` explains it."""
+    n, with_margin = counts["compared"], counts["with_margin"]
+    perturbation = None
+    if gaps.size:
+        perturbation = {"median": float(np.median(gaps)), "p90": float(np.quantile(gaps, 0.9)),
+                        "max": float(gaps.max())}
+    return {
+        "tokens": int(counts["tokens"]), "compared": int(n), "fallback": int(counts["fallback"]),
+        "mismatched": int(counts["mismatched"]), "mismatch": _share(counts["mismatched"], n),
+        "jaccard": _share(counts["jaccard_sum"], n), "routes": k * int(n), "routes_moved": int(counts["routes_moved"]),
+        "near_tie": {name: _share(counts[f"near_tie_{name}"], with_margin) for name in PRECISIONS},
+        "perturbation": perturbation,
+        "boundary_mass": None if perturbation is None or boundary is None else _share(boundary, with_margin),
+    }
 
 
 def layer_agreement(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, gap_rel: np.ndarray,
@@ -88,30 +141,9 @@ def layer_agreement(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndar
     relative margin is within each precision's rounding (:data:`PRECISIONS`); ``perturbation`` the median, 90th
     percentile and maximum of the relative score gap the rollout overcame on the mismatched positions (finite
     ones), and ``boundary_mass`` the share of compared positions whose relative margin is within that median."""
-    mask = mask.astype(bool)
-    compared = mask & usable
-    n = int(compared.sum())
-    same = overlap == k
-    mismatched = int((compared & ~same).sum())
-    moved = int((k - overlap)[compared].sum())
-    jaccard = overlap[compared] / (2 * k - overlap[compared])
-    with_margin = compared & np.isfinite(margin_rel)
-    near_tie = {name: _share(int((margin_rel[with_margin] <= eps).sum()), int(with_margin.sum()))
-                for name, eps in PRECISIONS.items()}
-    gaps = gap_rel[compared & ~same]
-    gaps = gaps[np.isfinite(gaps)]
-    perturbation = boundary = None
-    if gaps.size:
-        median = float(np.median(gaps))
-        perturbation = {"median": median, "p90": float(np.quantile(gaps, 0.9)), "max": float(gaps.max())}
-        boundary = _share(int((margin_rel[with_margin] <= median).sum()), int(with_margin.sum()))
-    return {
-        "tokens": int(mask.sum()), "compared": n, "fallback": int((mask & ~usable).sum()),
-        "mismatched": mismatched, "mismatch": _share(mismatched, n),
-        "jaccard": round(float(jaccard.mean()), 6) if n else None,
-        "routes": k * n, "routes_moved": moved,
-        "near_tie": near_tie, "perturbation": perturbation, "boundary_mass": boundary,
-    }
+    gaps = mismatch_gaps(usable, overlap, gap_rel, mask, k)
+    boundary = within(usable, margin_rel, mask, float(np.median(gaps))) if gaps.size else None
+    return layer_row(layer_counts(usable, overlap, margin_rel, mask, k), gaps, k, boundary)
 
 
 def first_mismatch(mismatch: np.ndarray, compared: np.ndarray, mask: np.ndarray,
@@ -130,6 +162,23 @@ def first_mismatch(mismatch: np.ndarray, compared: np.ndarray, mask: np.ndarray,
     return {"tokens": int(mask.sum()), "by_layer": by_layer, "none": int((mask.astype(bool) & ~any_hit).sum())}
 
 
+LOGPROB_COUNTS = ("tokens", "abs_sum", "k3_sum")
+"""What :func:`logprob_counts` adds up over positions (and processes)."""
+
+
+def logprob_counts(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """Sums over the positions where ``mask`` and both log-probabilities are finite (:data:`LOGPROB_COUNTS`)."""
+    ok = mask.astype(bool) & np.isfinite(rollout) & np.isfinite(trainer)
+    r = (trainer - rollout)[ok].astype(np.float64)
+    return {"tokens": int(r.size), "abs_sum": float(np.abs(r).sum()), "k3_sum": float(np.sum(np.expm1(r) - r))}
+
+
+def logprob_row(counts: dict[str, float]) -> dict[str, Any]:
+    """The mean absolute difference and k3 from :func:`logprob_counts` (None without a position)."""
+    n = counts["tokens"]
+    return {"tokens": int(n), "abs_diff_mean": _share(counts["abs_sum"], n), "k3": _share(counts["k3_sum"], n)}
+
+
 def logprob_agreement(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray) -> dict[str, Any]:
     """The two engines' log-probabilities of the same tokens, where ``mask`` and both are finite: the mean
     absolute difference and the k3 estimate of KL(rollout || trainer), ``exp(r) - 1 - r`` with
@@ -138,9 +187,4 @@ def logprob_agreement(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray
     >>> logprob_agreement(np.array([-1.0, -2.0]), np.array([-1.0, -2.5]), np.ones(2, bool))
     {'tokens': 2, 'abs_diff_mean': 0.25, 'k3': 0.053265}
     """
-    ok = mask.astype(bool) & np.isfinite(rollout) & np.isfinite(trainer)
-    r = (trainer - rollout)[ok].astype(np.float64)
-    if not r.size:
-        return {"tokens": 0, "abs_diff_mean": None, "k3": None}
-    return {"tokens": int(r.size), "abs_diff_mean": round(float(np.abs(r).mean()), 6),
-            "k3": round(float(np.mean(np.expm1(r) - r)), 6)}
+    return logprob_row(logprob_counts(rollout, trainer, mask))
