@@ -163,6 +163,8 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
             _line("ov_cf terminal cliff: last routed layer minus the band before it / minus the layer before it",
                   "ov_cf_terminal_jump", "ov_cf_adjacent_jump"),
             _line("State1 set margin (decisiveness, not health)", "margin"),
+            _line("State1 near-tie mass: share of tokens within bf16 / fp16 rounding of a tie (mean, worst layer)",
+                  "near_tie_bf16", "near_tie_bf16_max", "near_tie_fp16", "near_tie_fp16_max"),
             _line("canary NLL", "canary_nll"),
         )),
         SectionSpec("atlas: drift and lifecycle", (

@@ -150,12 +150,20 @@ def check_artifact(data: Any, where: str = "receipts artifact") -> None:
 
 
 def _close(a: Any, b: Any) -> bool:
+    """A stored value against its recomputation: numbers to float rounding, lists and dicts (the near-tie shares per
+    precision) element by element.
+
+    >>> _close({"bf16": 0.1, "fp16": [0.0, 0.2]}, {"bf16": 0.1 + 1e-17, "fp16": [0.0, 0.2]}), _close({"bf16": 0.1}, {})
+    (True, False)
+    """
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
     return a == b
 
 

@@ -34,7 +34,15 @@ from atlas_tracking.receipts.drift import (
 from atlas_tracking.receipts.geometry import angular, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.sketch import project
-from atlas_tracking.receipts.state1 import SetMargin, boundary_count, boundary_set_and_order, set_margin
+from atlas_tracking.receipts.state1 import (
+    NEAR_TIE_DTYPES,
+    SetMargin,
+    boundary_count,
+    boundary_set_and_order,
+    near_ties,
+    set_margin,
+    tie_scale,
+)
 from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance
 from atlas_tracking.receipts.windows import COUNTERS
 from atlas_tracking.schema.artifacts import DRIFT_RECEIPTS
@@ -208,7 +216,7 @@ class LayerAccumulator:
         self.sum_names = [name + ".sum" for name in _SUM_COUNT]
         self.count_names = [
             *(name + ".count" for name in _TOKEN_MEANS), *(f"bm{i}.sum" for i in range(len(self.deltas))),
-            *_TOKEN_COUNTERS, *_LAST_COUNTS,
+            *(f"near_tie.{name}" for name in NEAR_TIE_DTYPES), *_TOKEN_COUNTERS, *_LAST_COUNTS,
         ]
         self.sums = torch.zeros(len(self.sum_names), w, dtype=torch.float32, device=d)
         """``[S, W]`` per-window sums of every pooled mean, in ``sum_names`` order."""
@@ -324,8 +332,7 @@ class LayerCapture:
         A model that ranks in bf16 may pick either of two scores that differ below its rounding."""
         _, enabled, autocast = self._autocast
         eps = max(torch.finfo(t).eps for t in (dtype, *((autocast,) if enabled else ())))
-        scale = torch.nan_to_num(sm.s_k.abs() + sm.s_k1.abs(), nan=0.0, posinf=0.0)
-        return sm.margin < -eps * scale
+        return sm.margin < -eps * tie_scale(sm)
 
     def _model_arithmetic(self) -> contextlib.AbstractContextManager:
         """The autocast context the model's forward ran in, for calls of its own modules from a hook."""
@@ -684,6 +691,7 @@ class LayerCapture:
         tokens = torch.stack([
             valid, fr.c2_ok, torch.ones_like(valid), in_b_adj, valid & ~in_b & fr.adj_fields,  # _TOKEN_MEANS
             *((sm.margin <= delta) & valid for delta in acc.deltas),
+            *near_ties(sm, NEAR_TIE_DTYPES.values()),
             ~valid, self.rank_violations(sm, g.dtype) & valid, sel.nonfinite,  # _TOKEN_COUNTERS
             valid & ~fr.adj_fields,  # zero-expert pairs at the adjacent competitor
         ]).view(n_masks + 1, bw, seq)
@@ -793,6 +801,8 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
             f"{delta:g}": {"sum": host[f"bm{i}.sum"], "count": host["margin_mean.count"]}
             for i, delta in enumerate(deltas)
         },
+        "near_tie": {name: {"sum": host[f"near_tie.{name}"], "count": host["margin_mean.count"]}
+                     for name in NEAR_TIE_DTYPES},
         "transition_jump": [row[np.isfinite(row)] for row in host["jump"]],
     }
     for name in _SUM_COUNT:

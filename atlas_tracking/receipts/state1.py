@@ -9,12 +9,15 @@ Example:
     ([1.0], [2], [1], [True])
     >>> boundary_set(torch.tensor([[0.3, 0.1, 0.2, 0.4]]), torch.ones(1, 4, dtype=torch.bool), q=0.5).tolist()
     [[False, True, True, False]]
+    >>> near_ties(m, NEAR_TIE_DTYPES.values()).tolist()   # |m| = 1 is far above bf16's rounding of |3| + |1|
+    [[False], [False]]
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,33 @@ def set_margin(scores: torch.Tensor, active: torch.Tensor) -> SetMargin:
     s_k = s_active.gather(1, pos_k).squeeze(1)
     margin = torch.where(valid, s_k - s_k1, torch.zeros_like(s_k))
     return SetMargin(margin=margin, e_k=e_k, e_k1=e_k1, valid=valid, s_k=s_k, s_k1=s_k1)
+
+
+NEAR_TIE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The precisions a gate reports near-tie mass at, by their names in the receipts (docs/receipts.md#near-tie-mass)."""
+
+
+def tie_scale(sm: SetMargin) -> torch.Tensor:
+    """``|s_k| + |s_k1|``: the size of the two scores that a rounding bound on their order is relative to (0 where
+    it is not finite: a token without a competitor, or whose active set holds an ineligible expert)."""
+    return torch.nan_to_num(sm.s_k.abs() + sm.s_k1.abs(), nan=0.0, posinf=0.0)
+
+
+def near_ties(sm: SetMargin, dtypes: Iterable[torch.dtype]) -> torch.Tensor:
+    """``[P, N]``: per precision ``p`` of ``dtypes``, the tokens with a competitor whose set margin lies within the
+    rounding of a tie at ``p``: ``|m| <= eps_p (|s_k| + |s_k1|)``, ``eps_p = torch.finfo(p).eps``, in fp32.
+
+    An exact tie is a near tie at every precision, zero scores included; a token without an eligible competitor is
+    none:
+
+    >>> inf = float("inf")
+    >>> scores = torch.tensor([[1.0, 0.995, 0.0], [1.0, 0.5, 0.0], [0.0, 0.0, -inf], [2.0, -inf, -inf]])
+    >>> sm = set_margin(scores, torch.tensor([[0], [0], [0], [0]]))
+    >>> near_ties(sm, [torch.bfloat16, torch.float16]).tolist()   # 0.005 <= 2^-7 x 1.995, > 2^-10 x 1.995
+    [[True, False, True, False], [False, False, True, False]]
+    """
+    scale, size = tie_scale(sm), sm.margin.abs()
+    return torch.stack([(size <= torch.finfo(p).eps * scale) & sm.valid for p in dtypes])
 
 
 def boundary_set(margins: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:

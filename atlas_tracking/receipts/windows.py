@@ -15,11 +15,13 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
+from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.receipts.stats import (
     bootstrap_indices,
     float_multiplicity,
@@ -74,6 +76,7 @@ __all__ = [
     "c2_absent",
     "layer_receipts",
     "median_receipt",
+    "near_tie_tokens",
     "ratio_receipts",
     "summary",
 ]
@@ -179,6 +182,9 @@ def layer_receipts(
     values, cis = ratio_receipts(per_window, idx, level, V2_AXES)
     v2 = ({k: values.pop(k) for axis in V2_AXES for k in (axis, axis + "_pass")},
           {axis: cis.pop(axis) for axis in V2_AXES})  # the V2 axes come last in a layer's receipts
+    if "near_tie" in per_window:
+        values["near_tie"], cis["near_tie"] = ratio_receipts(per_window["near_tie"], idx, level)
+        values["near_tie_tokens"] = near_tie_tokens(per_window["near_tie"])
     loads = np.asarray(per_window["load"], dtype=np.int64)
     p_mass = np.asarray(per_window["p_mass_total"], dtype=np.float64)
     values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
@@ -192,6 +198,20 @@ def layer_receipts(
     values.update(v2[0])
     cis.update(v2[1])
     return values, cis
+
+
+def near_tie_tokens(near_tie: dict[str, Any]) -> dict[str, int]:
+    """The counts behind a layer's near-tie shares (docs/receipts.md#near-tie-mass): its near-tie tokens at each
+    precision and its ``counted`` tokens (those with an eligible competitor), summed over the windows.
+
+    >>> near_tie_tokens({"bf16": {"sum": [2, 1], "count": [16, 15]}, "fp16": {"sum": [0, 1], "count": [16, 15]}})
+    {'bf16': 3, 'fp16': 1, 'counted': 31}
+    """
+    tokens = {name: int(np.sum(entry["sum"])) for name, entry in near_tie.items()}
+    counted = {int(np.sum(entry["count"])) for entry in near_tie.values()}
+    if len(counted) != 1:
+        raise ValueError(f"near-tie precisions count different tokens: {sorted(counted)}")
+    return {**tokens, "counted": counted.pop()}
 
 
 def _finite(vals: list) -> list[float]:
@@ -219,7 +239,8 @@ def c2_absent(layers: list[dict[str, Any]]) -> str | None:
 
 
 def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str, Any]:
-    """Cross-layer summaries (docs/receipts.md#occupancy): means, min entropy, max dead and CV.
+    """Cross-layer summaries (docs/receipts.md#summaries-across-layers): means, min entropy, max dead and CV, the
+    mean and worst near-tie shares.
 
     ``mean_cv`` and ``max_cv`` are in the paper's unit (load CV x 100); ``c2_absent`` says why C2 is absent
     (:func:`c2_absent`), and is there only then.
@@ -230,6 +251,10 @@ def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str,
     def mean(key: str) -> float | None:
         v = col(key)
         return float(np.mean(v)) if v else None
+
+    def near_tie(name: str, reduce: Callable[[list[float]], float]) -> float | None:
+        v = _finite([(layer["receipts"].get("near_tie") or {}).get(name) for layer in layers])
+        return float(reduce(v)) if v else None
 
     protected = [layer for layer in layers if layer.get("protected")]
     c2_prot = _finite([layer["receipts"].get("c2") for layer in protected])
@@ -248,6 +273,8 @@ def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str,
         "mean_cv": 100.0 * mean("load_cv") if col("load_cv") else None,
         "max_cv": 100.0 * max(col("load_cv")) if col("load_cv") else None,
         "margin": mean("margin_mean"),
+        **{f"near_tie_{name}{suffix}": near_tie(name, reduce)
+           for name in NEAR_TIE_DTYPES for suffix, reduce in (("", np.mean), ("_max", max))},
         "ov_cf": mean("ov_cf"),
         "transition_incompat": mean("transition_incompat"),
         "v2_c1_pass_layers": sum(1 for layer in layers if layer["receipts"].get("v2_c1_pass")),

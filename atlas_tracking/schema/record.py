@@ -145,6 +145,11 @@ class LayerReceipts(TypedDict, total=False):
     """The smallest expert occupancy."""
     margin_mean: Annotated[float, Metric()]
     """Mean set margin (State1, selection-score units)."""
+    near_tie: dict[str, float | None]
+    """Near-tie mass (State1): per precision (``bf16``, ``fp16``), the share of counted tokens whose set margin lies
+    within that precision's rounding of a tie, ``|m| <= eps (|s_k| + |s_k1|)``."""
+    near_tie_tokens: dict[str, int]
+    """The counts behind ``near_tie``: near-tie tokens per precision and the ``counted`` tokens they are a share of."""
     ov_cf: Annotated[float, Metric()]
     """Routing self-consistency."""
     v2_c1: float | None
@@ -228,6 +233,14 @@ class Summary(TypedDict, total=False):
     """Largest load CV x 100."""
     margin: Annotated[float | None, Metric()]
     """Mean State1 margin over the routed layers."""
+    near_tie_bf16: Annotated[float | None, Metric()]
+    """Mean over the routed layers of the share of counted tokens within bf16 rounding of a tie."""
+    near_tie_bf16_max: Annotated[float | None, Metric()]
+    """The largest per-layer share of counted tokens within bf16 rounding of a tie."""
+    near_tie_fp16: Annotated[float | None, Metric()]
+    """Mean over the routed layers of the share of counted tokens within fp16 rounding of a tie."""
+    near_tie_fp16_max: Annotated[float | None, Metric()]
+    """The largest per-layer share of counted tokens within fp16 rounding of a tie."""
     ov_cf: Annotated[float | None, Metric()]
     """Mean routing self-consistency over the routed layers."""
     transition_incompat: Annotated[float | None, Metric()]

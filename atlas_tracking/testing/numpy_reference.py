@@ -35,3 +35,27 @@ def c2_loop(u: np.ndarray, zh: np.ndarray | None, rho: np.ndarray, s: np.ndarray
                     den += w
         out.append(float(num / den))
     return out
+
+
+def near_tie_loop(scores: np.ndarray, active: np.ndarray, eps: list[float]) -> list[list[bool] | None]:
+    """Per token, whether its set margin lies within each rounding ``eps`` of a tie (docs/receipts.md#near-tie-mass),
+    or None when it has no eligible competitor. ``scores [N, E]`` are the selection scores (``-inf``: ineligible),
+    ``active [N, k]`` the model's choice; the arithmetic is float32, as the gate's:
+    ``|s_k - s_k1| <= eps (|s_k| + |s_k1|)`` with ``s_k`` the lowest selected score and ``s_k1`` the best eligible
+    score outside the active set (an ineligible selected expert, ``s_k = -inf``, is never a near tie).
+
+    >>> near_tie_loop(np.array([[1.0, 0.995, 0.0], [2.0, -np.inf, -np.inf]]), np.array([[0], [0]]), [2**-7, 2**-10])
+    [[True, False], None]
+    """
+    out: list[list[bool] | None] = []
+    for t in range(scores.shape[0]):
+        chosen = set(active[t].tolist())
+        s_k = min(np.float32(scores[t, e]) for e in chosen)
+        rest = [np.float32(scores[t, e]) for e in range(scores.shape[1]) if e not in chosen and np.isfinite(scores[t, e])]
+        if not rest:
+            out.append(None)
+            continue
+        s_k1 = max(rest)
+        size, scale = abs(s_k - s_k1), abs(s_k) + abs(s_k1)
+        out.append([bool(np.isfinite(size) and size <= np.float32(e) * scale) for e in eps])  # an ineligible s_k: no tie
+    return out

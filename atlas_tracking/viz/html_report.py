@@ -5,11 +5,12 @@ For a run directory (``<run>/atlas/gates.jsonl``, read as one history with
 that ran (``errors.jsonl``: step, reason, layers) before anything else, else the last gate with its badge; loss and C2 against step (the report's figure 4),
 the three occupancy axes per layer over gates (dead experts, load CV, router entropy) with a per-layer table
 from the baseline to the last gate, the last gate's layers x experts load heatmap and the experts it names
-(docs/receipts.md#per-expert-load), per-layer C2 of the last gate grouped early / protected / late (figure 5;
+(docs/receipts.md#per-expert-load), the last gate's near-tie mass per layer (docs/receipts.md#near-tie-mass),
+per-layer C2 of the last gate grouped early / protected / late (figure 5;
 the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
 baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
 gate. A run with ``load.jsonl`` also gets the training-batch load between gates (:func:`load_section`). For a
-receipts artifact: the per-layer table and C2 bars. Figures are embedded as base64 PNG;
+receipts artifact: the per-layer table (near-tie mass included) and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
 """
 
@@ -30,6 +31,7 @@ from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.receipts.param_drift import drift_line
+from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.schema.artifacts import ERRORS
 from atlas_tracking.schema.load import SUMMARY_KEYS
 from atlas_tracking.schema.record import FAILED, badge
@@ -75,6 +77,33 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color
 table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
 th{background:#f4f4f4}img{max-width:100%;display:block;margin:1em 0}.claims li{margin:.2em 0}
 .status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"""
+
+
+NEAR_TIE_HEADER = [f"near-tie {name}" for name in NEAR_TIE_DTYPES]
+NEAR_TIE_NOTE = ("The share of each layer's counted canary tokens whose set margin lies within the rounding of a tie at "
+                 "bf16 / fp16, |m| <= eps (|s_k| + |s_k1|): routing decisions an engine ranking the scores in that "
+                 "precision could make the other way. A first-order bound on the rounding, not a count of flips "
+                 "(docs/receipts.md#near-tie-mass).")
+"""What the report says above the near-tie table."""
+
+
+def near_tie_cells(layer: dict[str, Any]) -> list[str]:
+    """A layer's near-tie mass at each precision (docs/receipts.md#near-tie-mass) as ``share (tokens of counted)``,
+    from a record's layer or a receipts artifact's layer receipts; ``-`` where it was not measured.
+
+    >>> near_tie_cells({"near_tie": {"bf16": 0.0625, "fp16": 0.0}, "near_tie_tokens": {"bf16": 4, "fp16": 0,
+    ...                 "counted": 64}}), near_tie_cells({})
+    (['0.0625 (4 of 64)', '0 (0 of 64)'], ['-', '-'])
+    """
+    share, tokens = layer.get("near_tie") or {}, layer.get("near_tie_tokens") or {}
+    return [f"{share[name]:.3g} ({tokens[name]} of {tokens['counted']})" if share.get(name) is not None else "-"
+            for name in NEAR_TIE_DTYPES]
+
+
+def near_tie_table(layers: list[dict[str, Any]]) -> str:
+    """Per routed layer of a record, the State1 mean margin and the near-tie mass at each precision."""
+    rows = [[layer_label(lay), lay.get("margin_mean"), *near_tie_cells(lay)] for lay in layers]
+    return _table(["layer", "mean margin", *NEAR_TIE_HEADER], rows)
 
 
 def cliff_text(d: dict[str, Any], profile: list[Any]) -> str:
@@ -298,6 +327,7 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
 <h2>C2: layers x gates</h2>{heatmap}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
+<h2>State1: near-tie mass (last gate)</h2><p>{html.escape(NEAR_TIE_NOTE)}</p>{near_tie_table(last.get('layers', []))}
 <h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
 if last.get('param_drift') else 'no parameter drift recorded (a baseline gate, or gate.param_drift off).')}</p>
 <h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
@@ -314,11 +344,13 @@ def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, byte
     figures = {} if is_top1 else {
         "layer_c2.png": png_bytes(fig_layer_c2(layers, "Per-layer C2 (early / protected / late)"))}
     keys = ["dead_experts", "load_cv", "router_entropy", "margin_mean", "c2", "v2_c1", "v2_c2", "ov_cf"]
-    rows = [[lay["name"]] + [c2_cell(lay.get(k), is_top1) if k == "c2" else lay.get(k) for k in keys] for lay in layers]
+    rows = [[lay["name"]] + [c2_cell(lay.get(k), is_top1) if k == "c2" else lay.get(k) for k in keys]
+            + near_tie_cells(lay) for lay in layers]
     cliff = html.escape(cliff_text(data["summary"], data["summary"].get("ov_cf_profile") or []))
     c2 = f"<p>C2: {NA_TOP1}: {html.escape(TOP1_NOTE)}</p>" if is_top1 else _img(figures["layer_c2.png"], "per-layer C2")
     body = (f"<h1>{html.escape(title)}</h1>{c2}<p>{cliff}</p>"
-            f"{_table(['layer', *keys], rows)}<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
+            f"{_table(['layer', *keys, *NEAR_TIE_HEADER], rows)}"
+            f"<pre>{html.escape(json.dumps(data['summary'], indent=1))}</pre>")
     return _page(title, body), figures
 
 
