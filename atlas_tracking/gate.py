@@ -60,11 +60,12 @@ from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.canary import Canary, check_canary_fits
 from atlas_tracking.engine.measure import ForwardFn, anchor_storage, default_forward, measure
 from atlas_tracking.engine.param_reference import ParamDriftError, ParamReference
+from atlas_tracking.rollouts import Rollouts
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.sinks.delivery import Delivery
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.sinks.webhook import WebhookSink
-from atlas_tracking.telemetry import Telemetry, Writer
+from atlas_tracking.telemetry import Telemetry, Writer, trigger_fields
 
 log = logging.getLogger("atlas_tracking")
 
@@ -150,6 +151,8 @@ class AtlasGate:
         self.delivery = Delivery(self.local, extra, wait_s=self.config.gate.delivery_wait_s)
         self.telemetry = Telemetry(self.layers, self.config) if self.config.telemetry.enabled else None
         """Training-batch routing between gates (docs/telemetry.md): counting hooks from now on."""
+        self.rollouts = Rollouts(self.layers, self.config) if self.config.rollout.enabled else None
+        """Rollout agreement a reinforcement-learning loop hands over (:meth:`rollout`, docs/rollout.md)."""
 
     def _declared_reference(self) -> HandoffReference | None:
         """Read and check ``lifecycle.handoff_reference`` now, so a wrong reference fails before training starts
@@ -323,7 +326,7 @@ class AtlasGate:
         if pruned_reference is not None:
             record["reference_pruned"] = pruned_reference
         record["vocab_size"] = self.vocab_size
-        record.update(self._trigger(trigger, loss_key))
+        record.update(trigger_fields(self.telemetry, trigger, loss_key))
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events
@@ -370,20 +373,21 @@ class AtlasGate:
     def _writer(self) -> Writer | None:
         return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery) if _is_rank_zero() else None
 
+    def rollout(self, step: int, input_ids: Any, routed_experts: Any, attention_mask: Any = None,
+                **options: Any) -> dict[str, Any] | None:
+        """A reinforcement-learning loop hands over the batch it trains on at ``step`` and the routed experts its
+        rollout engine returned (call it on every rank, each with its own batch; docs/rollout.md#in-a-training-loop):
+        measured every ``rollout.every_n_steps`` steps, written to ``rollout.jsonl``, delivered, read by the alarm.
+        ``options`` are :meth:`~atlas_tracking.rollouts.Rollouts.record`'s. Returns the line, or None; never raises."""
+        if self.rollouts is None or not self.rollouts.due(step):
+            return None
+        self.claim()
+        return self.rollouts.guarded(self.model, step, self._writer(), input_ids, routed_experts, attention_mask,
+                                     **options)
+
     def _close_interval(self, step: int, log_step: int | None) -> None:
         if self.telemetry is not None:
             self.telemetry.close(step, self.policy.rolls_reference, self._writer(), log_step)
-
-    def _trigger(self, trigger: str, loss_key: str | None) -> dict[str, Any]:
-        """Why the gate runs and which loss it read (the record's ``trigger``, ``trigger_reason``, ``loss_key``)."""
-        asked = self.telemetry.requested if self.telemetry is not None else None
-        fields: dict[str, Any] = {"trigger": trigger, "loss_key": loss_key}
-        if asked is not None and trigger == "telemetry":
-            fields["trigger_reason"] = asked["text"]
-        elif asked is not None:
-            fields["trigger_reason"] = (f"it also answers the training-batch routing alarm of step {asked['step']}, "
-                                        "which asked for an early gate")
-        return fields
 
     def _protection(self, step: int) -> tuple[AtlasConfig, dict[str, Any]]:
         """The configuration the gate at ``step`` measures with and the record fields of its protected set,
@@ -551,7 +555,8 @@ class AtlasGate:
             repaired = self.run_dir.repair()
             lineage = self._restored.get("lineage") if self._restored else None
             moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"),
-                                        ((self._restored or {}).get("telemetry") or {}).get("segments"))
+                                        ((self._restored or {}).get("telemetry") or {}).get("segments"),
+                                        ((self._restored or {}).get("rollout") or {}).get("segments"))
             history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
             payload = (moved, history, repaired)
         moved, history, repaired = _from_rank_zero(payload)
@@ -567,6 +572,8 @@ class AtlasGate:
         self.lineage = [list(key(rec)) for rec in history]
         if self.telemetry is not None:
             self.telemetry.resume(int(step), (self._restored or {}).get("telemetry"), self.branch)
+        if self.rollouts is not None:
+            self.rollouts.resume(int(step), (self._restored or {}).get("rollout"), self.branch)
         self.mark_resume()
         delivered = 0
         if _is_rank_zero():
@@ -598,6 +605,7 @@ class AtlasGate:
             "branch": self.branch,
             "lineage": [list(k) for k in self.lineage],
             **({"telemetry": self.telemetry.state_dict()} if self.telemetry is not None else {}),
+            **({"rollout": self.rollouts.state_dict()} if self.rollouts is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -37,8 +37,6 @@ Example (a plain loop; ``AtlasGate.step`` calls this after every optimizer step)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from atlas_tracking.adapters.base import RoutedLayer
@@ -48,22 +46,12 @@ from atlas_tracking.decisions.load_alarm import LoadAlarm, Reading
 from atlas_tracking.engine.route_counts import Interval, RouteCounter
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
-from atlas_tracking.sinks.delivery import Delivery
+from atlas_tracking.sinks.delivery import Writer
 
 log = logging.getLogger("atlas_tracking")
 
 PLAIN_LOOP_EVERY = 50
 """Optimizer steps per interval where neither ``telemetry.every_n_steps`` nor a framework's logging cadence says."""
-
-
-@dataclass
-class Writer:
-    """Where rank zero writes an interval: the run directory, the run's identity and the delivery."""
-
-    run_dir: Path
-    run_id: str | None
-    branch: str
-    delivery: Delivery
 
 
 class Telemetry:
@@ -182,3 +170,16 @@ class Telemetry:
         """The end of training: the interval since the last one, up to the last step seen (collective)."""
         if self.seen_step is not None:
             self.close(self.seen_step, pretraining, writer)
+
+
+def trigger_fields(telemetry: Telemetry | None, trigger: str, loss_key: str | None) -> dict[str, Any]:
+    """Why a gate runs and which loss it read (the record's ``trigger``, ``trigger_reason``, ``loss_key``): an early
+    gate says what the alarm said; a scheduled gate that answers a pending request says so."""
+    asked = telemetry.requested if telemetry is not None else None
+    fields: dict[str, Any] = {"trigger": trigger, "loss_key": loss_key}
+    if asked is not None and trigger == "telemetry":
+        fields["trigger_reason"] = asked["text"]
+    elif asked is not None:
+        fields["trigger_reason"] = (f"it also answers the training-batch routing alarm of step {asked['step']}, "
+                                    "which asked for an early gate")
+    return fields

@@ -135,6 +135,14 @@ class MlflowSink:
                 self.client.log_figure(self.run_id, fig, f"atlas/figures/train_expert_load_{at:08d}.png")
                 pyplot().close(fig)
 
+    def log_rollout(self, line: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        """A recorded step's rollout-agreement scalars at ``step`` (``atlas/rollout/...``, docs/rollout.md#trackers)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), float(v), now, int(step))
+                                                    for k, v in metrics.items()])
+
     def alert(self, event: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 

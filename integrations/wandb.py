@@ -137,6 +137,15 @@ class WandbSink:
         else:
             self.run.log({**payload, self.step_key: step})
 
+    def log_rollout(self, line: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        """A recorded step's rollout-agreement scalars (``atlas/rollout/...``, docs/rollout.md#trackers)."""
+        if not self._defined:
+            self._define()
+        if self.logger is not None:
+            self.logger.log_metrics(dict(metrics), step=step)
+        else:
+            self.run.log({**metrics, self.step_key: step})
+
     def _heatmap_png(self):
         from PIL import Image
 

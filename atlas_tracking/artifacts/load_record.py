@@ -40,23 +40,34 @@ Segments = Sequence[Sequence[Any]]
 """``[[branch, first step], ...]``: the training segments of a history, in order."""
 
 
+def series_file(path: str | Path, name: str) -> Path:
+    """The file ``name`` of a run directory, of a Lightning root (``<root>/atlas``), or ``path`` itself when it is
+    a file (which may not exist yet)."""
+    path = Path(path)
+    if path.is_dir():
+        nested = path / "atlas" / name
+        return nested if not (path / name).exists() and nested.exists() else path / name
+    return path
+
+
+def read_series(file: Path, kind: str, lost: str) -> list[dict[str, Any]]:
+    """Every complete line of ``file``, in order; a last line cut short by a crash is left out with one warning
+    naming it as a ``kind`` whose ``lost`` figures the next append removes."""
+    lines, torn = read_lines_and_torn(file)
+    if torn:
+        log.warning(torn_note(file, torn, kind, f"the next append removes it; its {lost} are lost"))
+    return lines
+
+
 def load_file(path: str | Path) -> Path:
     """The load file of a run directory, of a Lightning root (``<root>/atlas``) or the file itself (which may not
     exist yet: a run without telemetry has none)."""
-    path = Path(path)
-    if path.is_dir():
-        nested = path / "atlas" / LOAD
-        return nested if not (path / LOAD).exists() and nested.exists() else path / LOAD
-    return path
+    return series_file(path, LOAD)
 
 
 def read_load(path: str | Path) -> list[dict[str, Any]]:
     """Every complete interval, in file order; a last line cut short by a crash is left out with one warning."""
-    file = load_file(path)
-    lines, torn = read_lines_and_torn(file)
-    if torn:
-        log.warning(torn_note(file, torn, "interval", "the next append removes it; its routes are lost"))
-    return lines
+    return read_series(load_file(path), "interval", "routes")
 
 
 def append_load(run_dir: str | Path, line: dict[str, Any]) -> None:
@@ -81,13 +92,19 @@ def in_history(line: dict[str, Any], segments: Segments, step: int) -> bool:
 
 
 def rewind_load(run_dir: str | Path, step: int, segments: Segments | None) -> int:
-    """Make ``load.jsonl`` the history of a training state restored at ``step``; returns the intervals moved.
+    """Make ``load.jsonl`` the history of a training state restored at ``step``; returns the intervals moved
+    (:func:`rewind_series`)."""
+    return rewind_series(Path(run_dir) / LOAD, Path(run_dir) / LOAD_ABANDONED, step, segments)
 
-    With ``segments`` None (a state saved without them) the intervals after ``step`` move aside and those already
+
+def rewind_series(live_file: Path, parked_file: Path, step: int, segments: Segments | None) -> int:
+    """Make ``live_file`` (one line per step, each naming its ``branch``) the history of a training state restored
+    at ``step``, the other lines in ``parked_file``; returns the lines moved.
+
+    With ``segments`` None (a state saved without them) the lines after ``step`` move aside and those already
     aside stay there (no branch says which of them would belong to the history). Files are
-    replaced in an order where a crash leaves every interval in at least one of them."""
-    run_dir = Path(run_dir)
-    live, parked = read_lines(run_dir / LOAD), read_lines(run_dir / LOAD_ABANDONED)
+    replaced in an order where a crash leaves every line in at least one of them."""
+    live, parked = read_lines(live_file), read_lines(parked_file)
     if not live and not parked:
         return 0
     every: dict[tuple[int, Any], dict[str, Any]] = {}
@@ -105,7 +122,7 @@ def rewind_load(run_dir: str | Path, step: int, segments: Segments | None) -> in
     moved = sum(1 for x in live if not keep(x)) + sum(1 for x in history if x not in live)
     if moved == 0 and len(parked) == len(rest):
         return 0
-    write_lines(run_dir / LOAD_ABANDONED, list(every.values()))  # a superset first: nothing can be lost
-    write_lines(run_dir / LOAD, history)
-    write_lines(run_dir / LOAD_ABANDONED, rest)
+    write_lines(parked_file, list(every.values()))  # a superset first: nothing can be lost
+    write_lines(live_file, history)
+    write_lines(parked_file, rest)
     return moved

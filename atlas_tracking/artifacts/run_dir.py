@@ -66,6 +66,7 @@ from atlas_tracking.artifacts.io import replace_durably, write_atomic
 from atlas_tracking.artifacts.load_record import rewind_load
 from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
 from atlas_tracking.artifacts.receipts_file import FORMS, SUFFIXES
+from atlas_tracking.artifacts.rollout_record import rewind_rollout
 from atlas_tracking.artifacts.tensor_file import stream_sha256
 from atlas_tracking.schema.artifacts import (
     ABANDONED,
@@ -78,6 +79,7 @@ from atlas_tracking.schema.artifacts import (
     GATES,
     LOAD,
     RECORD_FILES,
+    ROLLOUT,
     RUN_FILE,
 )
 
@@ -267,7 +269,7 @@ class RunDir:
 
     # --- rewind --------------------------------------------------------------------------------
     def rewind(self, step: int, lineage: list[list[Any]] | None, branch: str | None,
-               load_segments: list[list[Any]] | None = None) -> int:
+               load_segments: list[list[Any]] | None = None, rollout_segments: list[list[Any]] | None = None) -> int:
         """Make the history the lineage of a training state restored at ``step``; returns gates moved.
 
         ``lineage`` lists the (step, branch) keys of the gates the restored state has read, and
@@ -277,8 +279,9 @@ class RunDir:
         ``step``. Every other gate goes to ``gates.abandoned.jsonl``; gates of the lineage found
         there come back. Each file is replaced atomically, in an order where a crash at any point
         leaves every gate in at least one file (the next rewind settles it); receipts follow. ``load.jsonl``
-        follows ``load_segments``, the training segments of the restored state's intervals
-        (:func:`~atlas_tracking.artifacts.load_record.rewind_load`), and ``alerts.jsonl`` holds the alerts of the
+        follows ``load_segments`` and ``rollout.jsonl`` ``rollout_segments``, the training segments of the
+        restored state's intervals and recorded steps (:func:`~atlas_tracking.artifacts.load_record.rewind_series`),
+        and ``alerts.jsonl`` holds the alerts of the
         history's gates, failed gates and intervals.
         """
         live = read_lines(self.gates)
@@ -309,7 +312,9 @@ class RunDir:
             write_lines(self.abandoned, rest)                       # 4. the abandoned branches only
         self._rewind_errors(step)
         rewind_load(self.path, step, load_segments)
-        alerts = sorted((a for r in [*history, *read_lines(self.errors), *read_lines(self.path / LOAD)]
+        rewind_rollout(self.path, step, rollout_segments)
+        alerts = sorted((a for r in [*history, *read_lines(self.errors), *read_lines(self.path / LOAD),
+                                     *read_lines(self.path / ROLLOUT)]
                          for a in r.get("alerts", [])),
                         key=lambda a: a["step"])  # the history's alerts, its failed gates' and its intervals', in step order
         if read_lines(self.alerts) != alerts:

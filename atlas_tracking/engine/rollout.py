@@ -28,6 +28,7 @@ Example (a rollout engine that routes the same as the trainer, but for one plant
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -189,12 +190,16 @@ class _RouterReads:
         return on_router
 
     def run(self, call: Callable[[], Any], tokens: int) -> Any:
-        """``call()`` (the forward) with the hooks on, under ``no_grad`` and uncounted; every routed layer must
-        have routed ``tokens`` positions."""
+        """``call()`` (the forward) with the hooks on, under ``no_grad``, uncounted and inside every layer's
+        :meth:`~atlas_tracking.adapters.base.RoutedLayer.gate_context` (a router that samples, such as DeepSpeed's
+        second-expert sampling, routes deterministically, and the training run's random stream is left as it
+        was); every routed layer must have routed ``tokens`` positions."""
         handles = [layer.router.register_forward_hook(self.hook(i), with_kwargs=True)
                    for i, layer in enumerate(self.layers)]
         try:
-            with torch.no_grad(), not_counted():
+            with torch.no_grad(), not_counted(), contextlib.ExitStack() as contexts:
+                for layer in self.layers:  # a router that samples reads as a gate reads it (and leaves no trace)
+                    contexts.enter_context(layer.gate_context())
                 output = call()
         finally:
             for handle in handles:

@@ -87,6 +87,14 @@ LOAD_ABANDONED = "load.abandoned.jsonl"
 """Intervals of abandoned branches (a resume from an older checkpoint moves them here)."""
 
 
+ROLLOUT = "rollout.jsonl"
+"""The rollout agreement of every recorded training step (:mod:`atlas_tracking.schema.rollout`)."""
+
+
+ROLLOUT_ABANDONED = "rollout.abandoned.jsonl"
+"""Recorded steps of abandoned branches (a resume from an older checkpoint moves them here)."""
+
+
 RUN_FILE = "run.json"
 
 
@@ -94,5 +102,6 @@ PINS = "pins.json"
 """The steps whose baselines retention keeps (``atlas-tracking pin``), beside ``gate.pin_baselines``."""
 
 
-RECORD_FILES = (GATES, ABANDONED, ALERTS, ERRORS, ERRORS_ABANDONED, DELIVERED, EVALUATIONS, LOAD, LOAD_ABANDONED)
+RECORD_FILES = (GATES, ABANDONED, ALERTS, ERRORS, ERRORS_ABANDONED, DELIVERED, EVALUATIONS, LOAD, LOAD_ABANDONED,
+                ROLLOUT, ROLLOUT_ABANDONED)
 """Every JSON-lines file of a run directory (each line a complete JSON object)."""

@@ -395,6 +395,39 @@ class TelemetryConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Rollout agreement in a reinforcement-learning loop: how often it is measured and the alarm's bounds
+    (docs/rollout.md)."""
+
+    enabled: bool = True
+    """Measure the rollout agreement a loop hands over (``AtlasGate.rollout``); False: the call does nothing."""
+    every_n_steps: int = 1
+    """Optimizer steps between two measured rollouts (each costs one forward of the trainer's batch, no gradient);
+    the steps in between return at once."""
+    mismatch_bound: float = 0.1
+    """A routed layer whose mismatch (positions whose two active sets differ, over those compared) exceeds this is
+    in breach: a WARN alert names it."""
+    fallback_bound: float = 0.01
+    """A routed layer whose share of fallback positions (a rollout route that cannot be used: a ``-1`` sentinel, a
+    repeated expert) exceeds this is in breach."""
+    rise_steps: int = 3
+    """A WARN alert when the worst layer's mismatch rose at each of this many recorded steps in a row (0: never)."""
+    rise_min: float = 0.02
+    """The least rise of the worst layer's mismatch over those steps that makes the alert (a mismatch that creeps by
+    noise does not)."""
+
+    def _validate(self, prefix: str) -> None:
+        if self.every_n_steps < 1:
+            raise ConfigError(f"'{prefix}every_n_steps' must be >= 1, got {self.every_n_steps!r}")
+        if self.rise_steps < 0:
+            raise ConfigError(f"'{prefix}rise_steps' must be >= 0 (0: no rise alert), got {self.rise_steps!r}")
+        for name in ("mismatch_bound", "fallback_bound"):
+            _check_range(prefix, name, getattr(self, name), 0.0, 1.0)
+        if not self.rise_min >= 0:  # NaN fails too
+            raise ConfigError(f"'{prefix}rise_min' must be >= 0, got {self.rise_min!r}")
+
+
+@dataclass
 class AtlasConfig:
     """Everything atlas_tracking can be told. Build it in code, from a dict, or from YAML."""
 
@@ -404,6 +437,7 @@ class AtlasConfig:
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AtlasConfig:

@@ -40,13 +40,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import key
 from atlas_tracking.schema.artifacts import BACKLOG
 from atlas_tracking.sinks.base import tracker_run
 from atlas_tracking.sinks.jsonl import JsonlSink
-from atlas_tracking.sinks.worker import INTERVAL, SinkWorker, pending_gates
+from atlas_tracking.sinks.worker import INTERVAL, ROLLOUT_STEP, SinkWorker, pending_gates
 
 log = logging.getLogger("atlas_tracking")
 
@@ -62,6 +64,8 @@ def _what(method: str, args: tuple) -> str:
         return f"gate step {args[2]}"
     if method == INTERVAL:
         return f"the training-batch load of step {args[0]['step']}"
+    if method == ROLLOUT_STEP:
+        return f"the rollout agreement of step {args[0]['step']}"
     if method == "alert":
         return f"alert {args[0].get('title')!r}"
     return f"the note that it holds gate step {args[0]['step']}"
@@ -146,9 +150,9 @@ class Delivery:
                   "were dropped from memory (they stay in the local record and are sent at the next resume)")
 
     def _dropped_intervals(self, name: str, dropped: int) -> None:
-        self.warn(f"atlas: {name} backlog is full; the {dropped} oldest queued training-batch load interval(s) were "
-                  f"dropped from memory (they stay in load.jsonl; at most {self.backlog_limit} intervals wait for a "
-                  "tracker, apart from its gates and alerts)")
+        self.warn(f"atlas: {name} backlog is full; the {dropped} oldest queued training-batch load interval(s) or "
+                  f"rollout step(s) were dropped from memory (they stay in load.jsonl and rollout.jsonl; at most "
+                  f"{self.backlog_limit} of them wait for a tracker, apart from its gates and alerts)")
 
     def _call(self, sink: Any, items: list[tuple[str, tuple]]) -> None:
         self._workers[sink.name].put(items)
@@ -178,12 +182,20 @@ class Delivery:
     def load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
         """One interval of training-batch load (already in ``load.jsonl``) queued for every sink that takes one
         (``log_load(line, metrics, step, picture)``; ``picture``: draw the layers x experts picture and table)."""
-        takers = [sink for sink in self.sinks if callable(getattr(sink, INTERVAL, None))]
+        self._series(INTERVAL, line, metrics, step, picture)
+
+    def rollout(self, line: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        """One recorded step of rollout agreement (already in ``rollout.jsonl``) queued for every sink that takes
+        one (``log_rollout(line, metrics, step)``)."""
+        self._series(ROLLOUT_STEP, line, metrics, step)
+
+    def _series(self, method: str, line: dict[str, Any], metrics: dict[str, float], *args: Any) -> None:
+        takers = [sink for sink in self.sinks if callable(getattr(sink, method, None))]
         if not takers:
             return
         line, metrics = copy.deepcopy((line, metrics))  # once, for every sink: the caller may change its own
         for sink in takers:
-            self._call(sink, [(INTERVAL, (line, metrics, step, picture))])
+            self._call(sink, [(method, (line, metrics, *args))])
 
     def catch_up(self, history: list[dict[str, Any]], metrics_of: Callable[[dict[str, Any]], dict[str, float]],
                  step_of: Callable[[dict[str, Any]], int]) -> int:
@@ -239,3 +251,14 @@ class Delivery:
                     self.warn(f"atlas: {sink.name} failed to finish ({type(exc).__name__})")
             worker.close()
         return backlog
+
+
+@dataclass
+class Writer:
+    """Where rank zero writes what it records between gates (a load interval, a rollout step): the run directory,
+    the run's identity and the delivery."""
+
+    run_dir: Path
+    run_id: str | None
+    branch: str
+    delivery: Delivery

@@ -40,6 +40,10 @@ class LogMetricsSink:
         them."""
         self.logger.log_metrics(dict(metrics), step=int(step))
 
+    def log_rollout(self, line: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        """A recorded step's rollout-agreement scalars (``atlas/rollout/...``)."""
+        self.logger.log_metrics(dict(metrics), step=int(step))
+
     def alert(self, event: dict[str, Any]) -> None:
         """Alerts stay in the local record and the trackers that have a place for them."""
         return None

@@ -33,16 +33,20 @@ Item = tuple[str, tuple]
 INTERVAL = "log_load"
 """The call that delivers one interval of training-batch load: a queue keeps at most ``limit`` of them after a
 failure (the oldest dropped first), apart from the gates and alerts, which they never push out."""
+ROLLOUT_STEP = "log_rollout"
+"""The call that delivers one recorded step of rollout agreement: bounded with the intervals, apart from gates."""
+SERIES = (INTERVAL, ROLLOUT_STEP)
+"""The calls between gates (:data:`INTERVAL`, :data:`ROLLOUT_STEP`), bounded apart from the gates and alerts."""
 
 
 def _counts(item: Item) -> bool:
-    """Gates and alerts count towards a backlog; the note that a tracker run holds a gate, and the intervals between
-    gates (bounded apart, :data:`INTERVAL`), do not."""
-    return item[0] not in ("acknowledge", INTERVAL)
+    """Gates and alerts count towards a backlog; the note that a tracker run holds a gate, and the series between
+    gates (bounded apart, :data:`SERIES`), do not."""
+    return item[0] not in ("acknowledge", *SERIES)
 
 
 def _interval(unit: list[Item]) -> bool:
-    return bool(unit) and all(item[0] == INTERVAL for item in unit)
+    return bool(unit) and all(item[0] in SERIES for item in unit)
 
 
 class SinkWorker:
@@ -55,7 +59,7 @@ class SinkWorker:
         recovered: told when a sink that had failed has delivered its whole queue.
         limit: the most gates and alerts kept after a failure (one more unit while a call is running); older
             units are dropped, whole, oldest first, and ``dropped`` is told how many. Apart from them, at most
-            ``limit`` intervals (:data:`INTERVAL`) are kept, the oldest dropped first, and ``dropped_intervals`` is
+            ``limit`` intervals and rollout steps (:data:`SERIES`) are kept, the oldest dropped first, and ``dropped_intervals`` is
             told how many.
     """
 

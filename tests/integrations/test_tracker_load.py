@@ -253,7 +253,7 @@ def test_intervals_queue_bounded_for_a_tracker_that_is_down_and_never_push_a_gat
     assert tracker.got == []
     failed = [m for m in told if " did not receive " in m]  # said once, by the sink's thread
     assert len(failed) == 1 and failed[0].startswith("atlas: down did not receive gate step 0 (ConnectionError: ")
-    dropped = [m for m in told if "training-batch load interval(s) were dropped" in m]
+    dropped = [m for m in told if "training-batch load interval(s) or rollout step(s) were dropped" in m]
     assert len(dropped) == 4 and not any("gate(s) or alert(s)" in m for m in told)  # 5, 10, 15, 20: one at a time
     tracker.down = False
     delivery.gate({"step": 40, "status": "GREEN"}, {"atlas/c2": 0.2}, step=40)  # the next gate retries the queue

@@ -17,7 +17,7 @@ LAYERS = {
     "artifacts": 2,
     "engine": 3, "decisions": 3, "viz": 3,
     "sinks": 4,
-    "cli": 5, "telemetry": 5,
+    "cli": 5, "telemetry": 5, "rollouts": 5,
     "gate": 6, "callbacks": 7, "__init__": 8, "compat": 8,
     "testing": 9,
 }
