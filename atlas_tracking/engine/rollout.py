@@ -150,14 +150,17 @@ def _router_rows(routes: torch.Tensor, layer: RoutedLayer) -> torch.Tensor:
 
 def _host_fields(parts: list[list[TokenComparison]], layers: list[RoutedLayer], batch: int,
                  seq: int) -> list[np.ndarray]:
-    """Each :class:`TokenComparison` field as one ``[layers, batch * seq]`` host array in batch-major order: the
-    layers' router calls concatenated on the device, then one copy per field."""
+    """Each :class:`TokenComparison` field as one ``[layers, ..., batch * seq]`` host array in batch-major order:
+    the layers' router calls concatenated on the device, then one copy per field."""
     out = []
-    for name in ("usable", "overlap", "margin_rel", "gap_rel"):
+    for name in ("usable", "overlap", "margin_rel", "gap_rel", "near_tie"):
         per_layer = []
         for layer, calls in zip(layers, parts):
-            values = torch.cat([getattr(call, name) for call in calls])
-            per_layer.append(values.view(seq, batch).T.reshape(-1) if layer.sequence_first else values)
+            values = torch.cat([getattr(call, name) for call in calls], dim=-1)
+            if layer.sequence_first:
+                lead = values.shape[:-1]
+                values = values.reshape(*lead, seq, batch).transpose(-1, -2).reshape(*lead, -1)
+            per_layer.append(values)
         out.append(torch.stack([v.to(per_layer[0].device) for v in per_layer]).cpu().numpy())
     return out
 
@@ -250,14 +253,12 @@ class Readout:
     axis: str
     """``routed`` or ``decoder``: the layer axis the rollout's array had."""
     fields: list[np.ndarray]
-    """``usable``, ``overlap``, ``margin_rel``, ``gap_rel``: each ``[routed layers, batch * seq]`` (batch-major)."""
+    """``usable``, ``overlap``, ``margin_rel``, ``gap_rel`` (each ``[routed layers, batch * seq]``) and ``near_tie``
+    (``[routed layers, precisions, batch * seq]``), batch-major."""
     mask: np.ndarray
     """``[batch * seq]`` bool: the positions compared."""
     logprobs: tuple[np.ndarray, np.ndarray] | None = None
     """The rollout's and the trainer's ``[batch * seq]`` log-probabilities, when the rollout's were given."""
-
-    def layer_arrays(self, i: int) -> tuple[np.ndarray, ...]:
-        return tuple(field[i] for field in self.fields)
 
 
 def read_agreement(model: nn.Module, input_ids: Any, routed_experts: Any, attention_mask: Any = None, *,
@@ -322,7 +323,7 @@ def summarize(readout: Readout, replayed: bool = False, across_processes: bool =
     and the boundary mass is counted at their median (three collectives)."""
     layers, mask = readout.layers, readout.mask
     ks = [int(layer.top_k) for layer in layers]
-    counts = [layer_counts(*readout.layer_arrays(i)[:3], mask=mask, k=k) for i, k in enumerate(ks)]
+    counts = [layer_counts(*(readout.fields[j][i] for j in (0, 1, 2, 4)), mask=mask, k=k) for i, k in enumerate(ks)]
     mismatch = readout.fields[1] != np.array(ks)[:, None]
     first = first_mismatch(mismatch, readout.fields[0], mask, [int(layer.index) for layer in layers])
     lp = logprob_counts(*readout.logprobs, mask) if readout.logprobs is not None else None

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from atlas_tracking.receipts.state1 import set_margin
+from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES, near_ties, set_margin, tie_scale
 
-PRECISIONS = {"bf16": float(torch.finfo(torch.bfloat16).eps), "fp16": float(torch.finfo(torch.float16).eps)}
-"""The precisions near-tie mass is read at: the relative spacing of numbers near 1 (2^-7 and 2^-10)."""
+PRECISIONS = tuple(NEAR_TIE_DTYPES)
+"""The precisions near-tie mass is read at, as a gate reads it (docs/receipts.md#near-tie-mass): bf16 and fp16."""
 
 
 @dataclass
@@ -42,16 +42,20 @@ class TokenComparison:
     overlap: torch.Tensor
     """``[N]`` int64: experts in both active sets."""
     margin_rel: torch.Tensor
-    """``[N]`` fp32: the trainer's set margin over ``|s_k| + |s_k1|`` (NaN without an eligible competitor)."""
+    """``[N]`` fp32: the trainer's set margin over ``|s_k| + |s_k1|`` (0 for a tie of two zero scores; NaN without
+    an eligible competitor)."""
     gap_rel: torch.Tensor
     """``[N]`` fp32: ``(max of s outside the rollout's set - min of s inside it) / (|s_k| + |s_k1|)``: the relative
     score change that makes the rollout's set a top-k of the trainer's scores (at most ``margin_rel`` below zero
     where the sets agree; NaN where not usable or without a competitor; ``inf`` where the rollout chose an
     expert the trainer's router cannot select)."""
+    near_tie: torch.Tensor
+    """``[P, N]`` bool: per precision of :data:`PRECISIONS`, the trainer's routing is a near tie there, as a gate
+    reads it (:func:`~atlas_tracking.receipts.state1.near_ties`)."""
 
-    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The four arrays on the host, in field order."""
-        return tuple(t.cpu().numpy() for t in (self.usable, self.overlap, self.margin_rel, self.gap_rel))
+    def host(self) -> tuple[np.ndarray, ...]:
+        """The arrays on the host, in field order."""
+        return tuple(t.cpu().numpy() for t in (self.usable, self.overlap, self.margin_rel, self.gap_rel, self.near_tie))
 
 
 def compare_tokens(scores: torch.Tensor, trainer: torch.Tensor, rollout: torch.Tensor) -> TokenComparison:
@@ -62,15 +66,16 @@ def compare_tokens(scores: torch.Tensor, trainer: torch.Tensor, rollout: torch.T
     usable = (rollout >= 0).all(1) & (same_id.sum((1, 2)) == k)
     overlap = (trainer[:, :, None] == rollout[:, None, :]).any(2).sum(1)
     sm = set_margin(scores, trainer)
-    scale = sm.s_k.abs() + sm.s_k1.abs()
+    scale = tie_scale(sm)
     nan = torch.full_like(scale, float("nan"))
-    margin_rel = torch.where(sm.valid, sm.margin / scale, nan)
+    margin_rel = torch.where(sm.valid, torch.where(scale > 0, sm.margin / scale, 0.0), nan)
     ids = rollout.clamp(min=0)
     inside = scores.gather(1, ids).min(1).values
     outside = scores.scatter(1, ids, float("-inf")).max(1).values
     gap = (outside - inside) / scale
     gap_rel = torch.where(usable & sm.valid, torch.nan_to_num(gap, nan=float("inf"), posinf=float("inf")), nan)
-    return TokenComparison(usable=usable, overlap=overlap, margin_rel=margin_rel, gap_rel=gap_rel)
+    return TokenComparison(usable=usable, overlap=overlap, margin_rel=margin_rel, gap_rel=gap_rel,
+                           near_tie=near_ties(sm, NEAR_TIE_DTYPES.values()))
 
 
 def _share(count: float, total: float) -> float | None:
@@ -83,19 +88,19 @@ COUNTS = ("tokens", "compared", "fallback", "mismatched", "routes_moved", "jacca
 other a count; ``with_margin`` counts the compared positions with an eligible competitor."""
 
 
-def layer_counts(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, mask: np.ndarray,
-                 k: int) -> dict[str, float]:
+def layer_counts(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, near_tie: np.ndarray,
+                 mask: np.ndarray, k: int) -> dict[str, float]:
     """One layer's sums over the positions where ``mask`` is true (:data:`COUNTS`): host arrays of
     :class:`TokenComparison`. Sums over several processes' positions add up."""
     mask = mask.astype(bool)
     compared = mask & usable
     both = overlap[compared]
-    margins = margin_rel[compared & np.isfinite(margin_rel)]
+    with_margin = compared & np.isfinite(margin_rel)
     return {
         "tokens": int(mask.sum()), "compared": int(compared.sum()), "fallback": int((mask & ~usable).sum()),
         "mismatched": int((both != k).sum()), "routes_moved": int((k - both).sum()),
-        "jaccard_sum": float((both / (2 * k - both)).sum()), "with_margin": int(margins.size),
-        **{f"near_tie_{name}": int((margins <= eps).sum()) for name, eps in PRECISIONS.items()},
+        "jaccard_sum": float((both / (2 * k - both)).sum()), "with_margin": int(with_margin.sum()),
+        **{f"near_tie_{name}": int((near_tie[i] & with_margin).sum()) for i, name in enumerate(PRECISIONS)},
     }
 
 
@@ -131,19 +136,19 @@ def layer_row(counts: dict[str, float], gaps: np.ndarray, k: int, boundary: int 
 
 
 def layer_agreement(usable: np.ndarray, overlap: np.ndarray, margin_rel: np.ndarray, gap_rel: np.ndarray,
-                    mask: np.ndarray, k: int) -> dict[str, Any]:
+                    near_tie: np.ndarray, mask: np.ndarray, k: int) -> dict[str, Any]:
     """One layer's agreement over the positions where ``mask`` is true (host arrays of :class:`TokenComparison`).
 
     ``tokens`` counts the masked positions, ``fallback`` those whose rollout route is not usable (counted, never
     compared), ``compared`` the rest; ``mismatched`` the compared positions whose two active sets differ as sets,
     ``routes_moved`` their routes to an expert the other engine did not choose, ``jaccard`` the mean Jaccard
     index of the two sets. ``near_tie`` is the share of compared positions with an eligible competitor whose
-    relative margin is within each precision's rounding (:data:`PRECISIONS`); ``perturbation`` the median, 90th
+    routing is a near tie at each precision (:data:`PRECISIONS`); ``perturbation`` the median, 90th
     percentile and maximum of the relative score gap the rollout overcame on the mismatched positions (finite
     ones), and ``boundary_mass`` the share of compared positions whose relative margin is within that median."""
     gaps = mismatch_gaps(usable, overlap, gap_rel, mask, k)
     boundary = within(usable, margin_rel, mask, float(np.median(gaps))) if gaps.size else None
-    return layer_row(layer_counts(usable, overlap, margin_rel, mask, k), gaps, k, boundary)
+    return layer_row(layer_counts(usable, overlap, margin_rel, near_tie, mask, k), gaps, k, boundary)
 
 
 def first_mismatch(mismatch: np.ndarray, compared: np.ndarray, mask: np.ndarray,

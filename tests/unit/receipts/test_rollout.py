@@ -15,13 +15,17 @@ from atlas_tracking.receipts.rollout import (
     layer_agreement,
     logprob_agreement,
 )
+from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
+
+EPS = {name: torch.finfo(dtype).eps for name, dtype in NEAR_TIE_DTYPES.items()}
+"""The rounding of each precision a near tie is read at (docs/receipts.md#near-tie-mass)."""
 
 
 def reference(scores: np.ndarray, trainer: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> dict:
     """One layer's agreement, token by token."""
     n, k = trainer.shape
     out = {"tokens": 0, "compared": 0, "fallback": 0, "mismatched": 0, "routes_moved": 0}
-    jaccard, margins, gaps = [], [], []
+    jaccard, margins, gaps, ties = [], [], [], []
     for t in range(n):
         if not mask[t]:
             continue
@@ -42,14 +46,15 @@ def reference(scores: np.ndarray, trainer: np.ndarray, rollout: np.ndarray, mask
             continue
         s_k1 = max(rest)
         scale = abs(s_k) + abs(s_k1)
-        margins.append((s_k - s_k1) / scale)
+        margins.append((s_k - s_k1) / scale if scale else 0.0)
+        ties.append({p: abs(s_k - s_k1) <= eps * scale for p, eps in EPS.items()})
         if a != b:
             gap = (max(scores[t, e] for e in range(scores.shape[1]) if e not in b) - min(scores[t, e] for e in b)) / scale
             if math.isfinite(gap):
                 gaps.append(gap)
     out["mismatch"] = out["mismatched"] / out["compared"]
     out["jaccard"] = float(np.mean(jaccard))
-    out["near_tie"] = {p: sum(m <= eps for m in margins) / len(margins) for p, eps in PRECISIONS.items()}
+    out["near_tie"] = {p: sum(tie[p] for tie in ties) / len(ties) for p in EPS}
     median = float(np.median(gaps))
     out["perturbation"] = {"median": median, "p90": float(np.quantile(gaps, 0.9)), "max": max(gaps)}
     out["boundary_mass"] = sum(m <= median for m in margins) / len(margins)
@@ -130,7 +135,7 @@ def test_logprob_agreement_is_the_mean_abs_difference_and_k3():
 
 
 def test_a_margin_exactly_at_a_precisions_rounding_is_a_near_tie_there_and_not_at_a_finer_one():
-    eps = PRECISIONS["bf16"]
+    eps = EPS["bf16"]
     scores = torch.tensor([[3.0, 1 + eps, 1 - eps, 0.0]])           # margin / (|s_k| + |s_k1|) = eps exactly
     t = compare_tokens(scores, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
     row = layer_agreement(*t.host(), mask=np.ones(1, bool), k=2)
