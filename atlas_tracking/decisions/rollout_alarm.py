@@ -63,14 +63,18 @@ class RolloutAlarm:
         """The layers in breach at the last recorded step, once an alert named them."""
         self.worst: list[float] = []
         """The worst layer's mismatch at the last ``rise_steps + 1`` recorded steps."""
+        self.rising = 0
+        """Consecutive recorded steps at which the worst layer's mismatch rose."""
         self.rise_raised = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"raised": list(self.raised), "worst": list(self.worst), "rise_raised": self.rise_raised}
+        return {"raised": list(self.raised), "worst": list(self.worst), "rising": self.rising,
+                "rise_raised": self.rise_raised}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.raised = [str(name) for name in state.get("raised", [])]
         self.worst = [float(v) for v in state.get("worst", [])]
+        self.rising = int(state.get("rising", 0))
         self.rise_raised = bool(state.get("rise_raised", False))
 
     def _reasons(self, row: dict[str, Any]) -> list[str]:
@@ -110,17 +114,14 @@ class RolloutAlarm:
     def _rise(self, step: int, worst: float | None, reading: Reading) -> int:
         """Track the worst layer's mismatch; the count of consecutive rises up to this step."""
         if worst is None:
-            return 0
+            return self.rising
+        rose = bool(self.worst) and worst > self.worst[-1]
+        self.rising = self.rising + 1 if rose else 0
         self.worst = [*self.worst, worst][-(self.cfg.rise_steps + 1):]
-        rising = 0
-        for before, after in zip(reversed(self.worst[:-1]), reversed(self.worst[1:])):
-            if after <= before:
-                break
-            rising += 1
-        if rising == 0:
+        if not rose:
             self.rise_raised = False
         need = self.cfg.rise_steps
-        if need and rising >= need and not self.rise_raised and self.worst[-1] - self.worst[0] >= self.cfg.rise_min:
+        if need and self.rising >= need and not self.rise_raised and self.worst[-1] - self.worst[0] >= self.cfg.rise_min:
             self.rise_raised = True
             reading.alerts.append(AlertEvent(
                 f"atlas: rollout routing disagreement rising at step {step}",
@@ -128,4 +129,4 @@ class RolloutAlarm:
                 f"{self.worst[0]:.4f} to {self.worst[-1]:.4f} (rollout.rise_steps {need}, rollout.rise_min "
                 f"{self.cfg.rise_min:g}): the trainer and the rollout engine are drifting apart "
                 "(docs/rollout.md#the-alarm).", "WARN", RISE_KEY, step, self.wait_duration_s).to_dict())
-        return rising
+        return self.rising

@@ -7,6 +7,8 @@ page with the Markdown table :data:`GENERATORS` makes from its declaration:
   default and docstring;
 - ``record-fields``: every field of the gate record (:mod:`atlas_tracking.schema.record`) by section;
 - ``load-fields``: every field of a line of ``load.jsonl`` and of its layers (:mod:`atlas_tracking.schema.load`);
+- ``rollout-fields``: every field of a line of ``rollout.jsonl`` and of its layers
+  (:mod:`atlas_tracking.schema.rollout`);
 - ``tracker-keys``: every key a tracker receives, derived from the :class:`Metric` marks of the gate record and
   of the training-batch summary (:class:`~atlas_tracking.schema.load.LoadSummary`);
 - ``families``: the transformers family table (:mod:`atlas_tracking.adapters.families`), read and refused.
@@ -35,6 +37,7 @@ from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.schema import config as config_schema
 from atlas_tracking.schema import load as load_schema
 from atlas_tracking.schema import record as record_schema
+from atlas_tracking.schema import rollout as rollout_schema
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.record import METRIC_NAMES, VERDICT_CODES, Stage, Status, metric_fields
 
@@ -160,16 +163,34 @@ LOAD_SECTIONS = (("LoadLine", "a line of `load.jsonl`"), ("LoadLayer", "each ent
 """The sections of a ``load.jsonl`` line (:mod:`atlas_tracking.schema.load`) in the order the docs list them."""
 
 
+ROLLOUT_SECTIONS = (("RolloutLine", "a line of `rollout.jsonl`"), ("RolloutLayer", "each entry of `layers`"))
+"""The sections of a ``rollout.jsonl`` line (:mod:`atlas_tracking.schema.rollout`) in the order the docs list them."""
+
+
 def load_fields() -> str:
     """One table per section of a ``load.jsonl`` line: field, type, meaning.
 
     >>> print(load_fields().splitlines()[7])
     | `step` | `int` | The last optimizer step of the interval (the line's key). |
     """
+    return line_fields(load_schema, LOAD_SECTIONS)
+
+
+def rollout_fields() -> str:
+    """One table per section of a ``rollout.jsonl`` line: field, type, meaning.
+
+    >>> print(rollout_fields().splitlines()[7])
+    | `step` | `int` | The optimizer step the rollout was trained on (the line's key). |
+    """
+    return line_fields(rollout_schema, ROLLOUT_SECTIONS)
+
+
+def line_fields(module: Any, sections: tuple[tuple[str, str], ...]) -> str:
+    """One table per ``TypedDict`` section of ``module`` (name, where it sits in the line): field, type, meaning."""
     parts = []
-    for name, where in LOAD_SECTIONS:
-        cls = getattr(load_schema, name)
-        hints, docs = typing.get_type_hints(cls, vars(load_schema)), attribute_docs(cls)
+    for name, where in sections:
+        cls = getattr(module, name)
+        hints, docs = typing.get_type_hints(cls, vars(module)), attribute_docs(cls)
         rows = [[f"`{key}`", f"`{_type_text(tp)}`", docs.get(key, "")] for key, tp in hints.items()]
         doc = " ".join((inspect.getdoc(cls) or "").split())
         parts.append(f"### {name} ({where})\n\n{doc}\n\n" + _table(["field", "type", "meaning"], rows))
@@ -190,6 +211,7 @@ DERIVED_METRICS = {
 """Tracker keys computed from a record rather than copied from one field."""
 
 LOAD_KIND = "training batches, per interval"
+ROLLOUT_KIND = "rollout agreement, per recorded step"
 PICTURE_KIND = "training batches, every `telemetry.picture_every` intervals"
 
 RANKED_METRICS = {
@@ -253,6 +275,8 @@ def tracker_keys() -> str:
     rows += [[f"`atlas/layer_NN/{key}`", "per routed layer", layer_docs.get(key, "")]
              for key in metric_fields(record_schema.LayerRecord)]
     rows += load_keys()
+    docs = attribute_docs(rollout_schema.RolloutSummary)
+    rows += [[f"`{key}`", ROLLOUT_KIND, docs.get(name, "")] for name, key in rollout_schema.SUMMARY_KEYS.items()]
     return _table(["key", "kind", "meaning"], rows)
 
 
@@ -317,6 +341,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "configuration": configuration,
     "record-fields": record_fields,
     "load-fields": load_fields,
+    "rollout-fields": rollout_fields,
     "tracker-keys": tracker_keys,
     "families": families,
 }
@@ -329,8 +354,8 @@ def expand(markdown: str) -> str:
     >>> try:
     ...     expand("<!-- generated: nothing -->")
     ... except KeyError as exc:
-    ...     print(exc.args[0])
-    unknown generated section 'nothing'; known: configuration, record-fields, load-fields, tracker-keys, families
+    ...     print(exc.args[0].split("; ")[0])
+    unknown generated section 'nothing'
     """
     out = []
     for line in markdown.splitlines():
