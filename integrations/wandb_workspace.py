@@ -5,7 +5,7 @@ The layout is plain data (:func:`workspace_sections`), so it can be checked offl
 into a ``wandb_workspaces.workspaces.Workspace`` (no network) and :func:`save_workspace` saves it to
 a W&B project (needs a W&B login). Sections, top to bottom: the verdict (status, stage, loss beside
 C2, the gate table), occupancy, the training batches between gates (docs/telemetry.md), State2 and the V2 axes, drift and the lifecycle margins, and, closed
-by default, the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
+by default, the rollout agreement of a reinforcement-learning loop (docs/rollout.md), the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
 workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section. For a
 top-1 model (a record whose gates state ``c2_absent: top-1 routing``) the panels whose only series is C2 are
 markdown panels titled "C2: n/a (top-1)": the sink logs no C2 key there.
@@ -13,7 +13,7 @@ markdown panels titled "C2: n/a (top-1)": the sink logs no C2 key there.
 Example (offline: the layout for a 4-layer model):
     >>> from atlas_tracking.integrations.wandb_workspace import workspace_sections, logged_keys
     >>> [s.name for s in workspace_sections(n_layers=4)]
-    ['atlas: verdict', 'atlas: occupancy', 'atlas: between gates (training batches)', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: per layer']
+    ['atlas: verdict', 'atlas: occupancy', 'atlas: between gates (training batches)', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: rollout agreement (reinforcement learning)', 'atlas: per layer']
     >>> "atlas/layer_03/c2" in logged_keys(workspace_sections(n_layers=4))
     True
     >>> [p.title for p in workspace_sections(n_layers=4, top1=True)[3].panels][0]
@@ -176,6 +176,16 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
             *param_panels,
             _line("gate wall time (s)", "gate_seconds"),
         )),
+        SectionSpec("atlas: rollout agreement (reinforcement learning)", (
+            _line("mismatch: worst layer, mean over layers; positions routed differently in some layer",
+                  "rollout/mismatch_max", "rollout/mismatch_mean", "rollout/token_mismatch"),
+            _line("Jaccard index of the two active sets (lowest layer); fallback share", "rollout/jaccard_min",
+                  "rollout/fallback_share"),
+            _line("near ties at bf16 (highest layer); alert standing (1)", "rollout/near_tie_bf16_max", "rollout/alarm"),
+            _line("log-probabilities: mean |trainer - rollout|, k3 KL(rollout || trainer)", "rollout/logprob_abs_diff",
+                  "rollout/k3"),
+            _line("the worst layer (the model's layer number)", "rollout/worst_layer"),
+        ), is_open=False),
         SectionSpec("atlas: per layer", (
             *per_layer,
             PanelSpec("media", "C2: layers x gates", ("atlas/c2_heatmap",)),

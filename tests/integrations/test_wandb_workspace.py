@@ -19,6 +19,7 @@ from atlas_tracking.integrations.wandb_workspace import (
 )
 
 from atlas_tracking.cli import main
+from atlas_tracking.engine.rollout import trainer_routes
 from atlas_tracking.gate import AtlasGate
 from atlas_tracking.testing.tiny import POST_TRAINING, tiny_canary, tiny_module
 
@@ -45,6 +46,8 @@ def logged_run(tmp_path_factory):
             module.model.model.layers[0].mlp.gate.weight.mul_(3.0)  # move the router so drift keys are non-zero
             module.model.train()(torch.randint(0, 256, (4, 32)))  # a training forward: an interval between gates
         gate.run(10, loss=3.5)
+        ids = torch.randint(0, 256, (2, 16))
+        gate.rollout(10, ids, trainer_routes(module.model, ids), rollout_logprobs=torch.full((2, 16), -5.0))
         gate.finish()  # tracker calls run in the background: the end of training waits for them
         run_dir = Path(run.dir).parent
         run.finish()
@@ -70,8 +73,10 @@ def test_per_layer_series_stay_in_their_own_closed_section(logged_run):
     _, n_layers, _ = logged_run
     sections = workspace_sections(n_layers)
     per_layer = re.compile(r"atlas/layer_\d+/")
+    rollout = [s for s in sections if s.name.startswith("atlas: rollout")]
+    assert len(rollout) == 1 and not rollout[0].is_open          # reinforcement-learning runs only
     for section in sections[:-1]:
-        assert section.is_open
+        assert section.is_open or section in rollout
         assert not any(per_layer.match(k) for p in section.panels for k in p.keys)
     assert not sections[-1].is_open
     assert any(per_layer.match(k) for p in sections[-1].panels for k in p.keys)
