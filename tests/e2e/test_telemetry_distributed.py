@@ -115,3 +115,58 @@ def test_deepspeed_expert_parallel_counts_dropped_routes_and_tokens_per_ep_rank(
         assert logged["atlas/train/overload_factor"] == pytest.approx(max(overload), rel=1e-12)
         assert logged["atlas/train/dropped_fraction"] == pytest.approx(dropped_all / chosen_all, rel=1e-12)
     assert all(not worker["train_metrics"] for worker in workers[1:])  # the trackers hear from rank zero only
+
+
+def test_rollout_agreement_lines_sum_every_process_batch(tmp_path):
+    """Each process hands ``gate.rollout`` its own batch (of a different size); the line every process returns, and
+    the one rank zero wrote, hold the sums of the processes' own single-process results, and the perturbation's
+    quantiles are those of every process's mismatched positions together."""
+    import torch
+
+    from atlas_tracking.testing.parallel_models import qwen3_moe
+    from atlas_tracking.testing.rollout_workers import rollout_parallel
+
+    out = tmp_path / "atlas"
+    workers = run_workers(rollout_parallel, 2, str(out), 3)
+    written = [json.loads(text) for text in (out / "rollout.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in written] == [1, 2, 3] and all(line["processes"] == 2 for line in written)
+    model = qwen3_moe(perturb=0.3)
+    mismatched = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' kernel order: the same batches give the same routing, bit for bit
+    try:
+        mismatched = _check_rollout_lines(written, workers, model)
+    finally:
+        torch.set_num_threads(threads)
+    assert mismatched > 0
+
+
+def _check_rollout_lines(written: list[dict], workers: list[dict], model) -> int:
+    import numpy as np
+    import torch
+
+    from atlas_tracking import rollout_agreement
+    from atlas_tracking.engine.rollout import read_agreement
+    from atlas_tracking.receipts.rollout import mismatch_gaps
+
+    mismatched = 0
+    for s, line in enumerate(written):
+        assert all(w["lines"][s]["layers"] == line["layers"] for w in workers)      # every process: one line
+        handed = [w["handed"][s] for w in workers]
+        own = [rollout_agreement(model, torch.tensor(h["ids"]), torch.tensor(h["routes"]), torch.tensor(h["mask"]))
+               for h in handed]
+        reads = [read_agreement(model, torch.tensor(h["ids"]), torch.tensor(h["routes"]), torch.tensor(h["mask"]))
+                 for h in handed]
+        for i, row in enumerate(line["layers"]):
+            for key in ("tokens", "compared", "fallback", "mismatched", "routes", "routes_moved"):
+                assert row[key] == sum(o["layers"][i][key] for o in own), (s, i, key)
+            jaccard = sum(o["layers"][i]["jaccard"] * o["layers"][i]["compared"] for o in own) / row["compared"]
+            assert row["jaccard"] == pytest.approx(jaccard, abs=1e-5)
+            gaps = np.concatenate([mismatch_gaps(r.fields[0][i], r.fields[1][i], r.fields[3][i], r.mask, 2)
+                                   for r in reads])
+            if gaps.size:
+                assert row["perturbation"]["median"] == pytest.approx(float(np.median(gaps.astype(np.float64))), rel=1e-6)
+            mismatched += row["mismatched"]
+        assert line["tokens"] == sum(o["tokens"] for o in own)
+        assert line["first_mismatch"]["none"] == sum(o["first_mismatch"]["none"] for o in own)
+    return mismatched
