@@ -170,7 +170,7 @@ Read = Callable[[int, Any, int], Any]
 ``start`` (in the router's order), given its :class:`~atlas_tracking.adapters.base.Routing`."""
 
 
-class _RouterReads:
+class RouterReads:
     """Forward hooks on every routed layer's router that keep ``read(...)`` of each call, for one forward."""
 
     def __init__(self, layers: list[RoutedLayer], read: Read):
@@ -192,11 +192,11 @@ class _RouterReads:
                 self.error = exc
         return on_router
 
-    def run(self, call: Callable[[], Any], tokens: int) -> Any:
-        """``call()`` (the forward) with the hooks on, under ``no_grad``, uncounted and inside every layer's
-        :meth:`~atlas_tracking.adapters.base.RoutedLayer.gate_context` (a router that samples, such as DeepSpeed's
-        second-expert sampling, routes deterministically, and the training run's random stream is left as it
-        was); every routed layer must have routed ``tokens`` positions."""
+    def run(self, call: Callable[[], Any], tokens: int | None) -> Any:
+        """``call()`` (the forward, or a whole ``generate``) with the hooks on, under ``no_grad``, uncounted and
+        inside every layer's :meth:`~atlas_tracking.adapters.base.RoutedLayer.gate_context` (a router that samples,
+        such as DeepSpeed's second-expert sampling, routes deterministically, and the training run's random stream
+        is left as it was); every routed layer must have routed ``tokens`` positions (None: any number)."""
         handles = [layer.router.register_forward_hook(self.hook(i), with_kwargs=True)
                    for i, layer in enumerate(self.layers)]
         try:
@@ -210,7 +210,7 @@ class _RouterReads:
         if self.error is not None:
             raise self.error
         for layer, rows in zip(self.layers, self.rows):
-            if rows != tokens:
+            if tokens is not None and rows != tokens:
                 raise RolloutInputError(f"routed layer {layer.index} ({layer.name}) routed {rows} token positions "
                                         f"in the forward; the batch holds {tokens}")
         return output
@@ -281,7 +281,7 @@ def read_agreement(model: nn.Module, input_ids: Any, routed_experts: Any, attent
                                     f"positions than the batch holds ({batch * seq})")
         return compare_tokens(routing.scores.float(), routing.active, given)
 
-    reads = _RouterReads(layers, compare)
+    reads = RouterReads(layers, compare)
     output = reads.run(lambda: (forward or default_forward)(model, ids, mask), batch * seq)
     readout = Readout(layers, axis, _host_fields(reads.parts, layers, batch, seq),
                       mask.bool().cpu().numpy().reshape(-1))
@@ -391,7 +391,7 @@ def trainer_routes(model: nn.Module, input_ids: Any, attention_mask: Any = None,
     layers = layers if layers is not None else find_routed_layers(model)
     ids, mask = _batch(model, input_ids, attention_mask)
     batch, seq = ids.shape
-    reads = _RouterReads(layers, lambda i, routing, start: routing.active.cpu())
+    reads = RouterReads(layers, lambda i, routing, start: routing.active.cpu())
     reads.run(lambda: (forward or default_forward)(model, ids, mask), batch * seq)
     out = []
     for layer, parts in zip(layers, reads.parts):
