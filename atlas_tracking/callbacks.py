@@ -6,9 +6,11 @@ from the checkpointed state, or claim the run directory and measure the step-0 b
 after every validation (the ``gate.every_n_validations`` cadence), ``run`` for a gate that never
 stops training (a failure goes to ``atlas/errors.jsonl``, a warning and an ERROR alert), ``evaluate`` for a gate
 outside the training history, and ``state_dict`` / ``load_state_dict`` for the checkpoint.
-:class:`LossSource` reads the gate's loss from the metrics the framework logged, by name: when the
-metric is missing the loss stays empty and one warning names the metrics that are there (a
-training loss is never read in its place).
+:class:`LossSource` reads the gate's objective from the metrics the framework logged, by name, and says
+the direction it improves in (``objective`` in the config): when the integration's default metric is
+missing the loss stays empty and one warning names the metrics that are there (a training loss is never
+read in its place); when the operator named the metric (``loss_key=`` or ``objective.metric``), a gate
+whose evaluation did not log it fails, naming the metrics it did log (:meth:`ValidationGates.read_run`).
 
 Example (a plain loop standing in for a framework):
     >>> import numpy as np, torch, tempfile, warnings
@@ -30,6 +32,14 @@ Example (a plain loop standing in for a framework):
     (None, 'atlas: no validation loss for the gate: any of val_loss is not among the logged metrics [train_loss]')
     >>> gates.due() and gates.run(10, losses.read({"val_loss": 3.9}, "validation"))["loss"]
     3.9
+    >>> named = ValidationGates(gates.gate, source=LossSource({"validation": ("val_loss",)}, loss_key="val_acc"))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     named.read_run(20, {"val_loss": 3.8}, "validation")
+    >>> str(caught[0].message).split(" [")[0]
+    "atlas gate at step 20 failed and was skipped: MissingObjectiveError: the objective 'val_acc' is not among the metrics the validation logged"
+    >>> named.read_run(30, {"val_acc": 0.6}, "validation")["objective_direction"]
+    'maximize'
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from atlas_tracking.gate import AtlasGate
+from atlas_tracking.schema.config import ConfigError, ObjectiveConfig
 
 log = logging.getLogger("atlas_tracking")
 
@@ -50,27 +61,52 @@ def _warn(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
+class MissingObjectiveError(ValueError):
+    """The metric named as the gate's objective is not among the metrics the gate's evaluation logged."""
+
+
 class LossSource:
-    """The gate's loss, read by name from logged metrics; one warning per stage when it is missing.
+    """The gate's objective, read by name from logged metrics, and the direction it improves in.
 
     Args:
-        keys: per stage (``"validation"``, ``"test"``, ...), the metric names tried in order.
-        loss_key: a metric name that replaces ``keys`` in every stage.
+        keys: per stage (``"validation"``, ``"test"``, ...), the integration's metric names tried in order, the
+            training stage's first.
+        loss_key: the metric the operator names (a callback's ``loss_key=``); it replaces ``keys`` in every stage.
         hint: how to name the metric, said in the warning (e.g. ``"Pass AtlasCallback(loss_key=...)"``).
         warn: how a warning is raised (a framework's rank-zero warning; default ``warnings.warn``).
+        objective: the configuration's ``objective``: its ``metric`` names the metric as ``loss_key`` does (the two
+            naming different metrics is a :class:`~atlas_tracking.schema.config.ConfigError`), its ``direction``
+            says how the objective improves.
     """
 
     def __init__(self, keys: Mapping[str, tuple[str, ...]], loss_key: str | None = None, hint: str = "",
-                 warn: Warn = _warn):
-        self.keys, self.loss_key, self.hint, self.warn = dict(keys), loss_key, hint, warn
+                 warn: Warn = _warn, objective: ObjectiveConfig | None = None):
+        self.objective = objective or ObjectiveConfig()
+        if loss_key and self.objective.metric and loss_key != self.objective.metric:
+            raise ConfigError(f"loss_key {loss_key!r} and 'objective.metric' {self.objective.metric!r} name different "
+                              "metrics: name the gate's objective once")
+        self.keys, self.loss_key, self.hint, self.warn = dict(keys), loss_key or self.objective.metric, hint, warn
         self._warned: set[str] = set()
         self.found: str | None = None
         """The metric the last :meth:`read` took the loss from (None: none was logged)."""
 
+    @property
+    def direction(self) -> str:
+        """How the objective improves: ``objective.direction``, else the default of the named metric, else that of
+        the training stage's first name (:func:`~atlas_tracking.schema.config.default_direction`).
+
+        >>> LossSource({"evaluation": ("eval_reward",)}).direction, LossSource({"validation": ("val_loss",)}).direction
+        ('maximize', 'minimize')
+        """
+        return self.objective.direction_for(self.loss_key or next(iter(self.keys.values()))[0])
+
     def names(self, stage: str) -> tuple[str, ...]:
         return (self.loss_key,) if self.loss_key else self.keys[stage]
 
-    def read(self, metrics: Mapping[str, Any], stage: str) -> float | None:
+    def read(self, metrics: Mapping[str, Any], stage: str, strict: bool = False) -> float | None:
+        """The objective's value: the first of :meth:`names` in ``metrics``. When none is there, with ``strict`` and a
+        named metric, :class:`MissingObjectiveError` naming the metrics that are; otherwise None and one warning per
+        stage."""
         names = self.names(stage)
         self.found = None
         for name in names:
@@ -78,12 +114,16 @@ class LossSource:
             if value is not None:
                 self.found = name
                 return float(value)
+        logged = ", ".join(sorted(metrics)) or "none"
+        if strict and self.loss_key:
+            raise MissingObjectiveError(f"the objective '{self.loss_key}' is not among the metrics the {stage} logged "
+                                        f"[{logged}]; name a logged metric (objective.metric or loss_key)")
         if stage not in self._warned:
             self._warned.add(stage)
             wanted = f"'{self.loss_key}'" if self.loss_key else "any of " + ", ".join(names)
             self.warn(
                 f"atlas: no {stage} loss for the gate: {wanted} is not among the logged metrics "
-                f"[{', '.join(sorted(metrics)) or 'none'}]; the gate's loss is left empty (no loss trend). {self.hint}"
+                f"[{logged}]; the gate's loss is left empty (no loss trend). {self.hint}"
                 .rstrip())
         return None
 
@@ -94,11 +134,13 @@ class ValidationGates:
     Args:
         gate: the gate (built by the callback once the model is known; see :meth:`attach`).
         warn: how warnings are raised (a framework's rank-zero warning; default ``warnings.warn``).
+        source: where the gates read their objective and its direction (None: the gate's ``objective`` config).
     """
 
-    def __init__(self, gate: AtlasGate | None = None, warn: Warn = _warn):
+    def __init__(self, gate: AtlasGate | None = None, warn: Warn = _warn, source: LossSource | None = None):
         self.gate = gate
         self.warn = warn
+        self.source = source
         self.validations = 0
         """Validations seen in training (the cadence counts them; checkpointed)."""
         self.green: list[str] = []
@@ -146,9 +188,31 @@ class ValidationGates:
             loss_key: str | None = None) -> dict[str, Any] | None:
         """One gate; a failure never stops training (``atlas/errors.jsonl``, a warning and an ERROR alert through
         every sink, :meth:`AtlasGate.record_failure`; returns None)."""
+        return self._guarded(step, log_step, trigger, lambda: self.gate.run(
+            step, loss=loss, log_step=log_step, trigger=trigger, loss_key=loss_key, direction=self._direction()))
+
+    def read_run(self, step: int, metrics: Mapping[str, Any], stage: str,
+                 log_step: int | None = None) -> dict[str, Any] | None:
+        """A gate whose objective is read from the evaluation's logged ``metrics`` (:meth:`LossSource.read`, strict):
+        a named metric they lack fails the gate, naming the metrics they hold, as any failed gate does (:meth:`run`)."""
+        assert self.source is not None
+        source = self.source
+
+        def gate() -> dict[str, Any]:
+            loss = source.read(metrics, stage, strict=True)
+            return self.gate.run(step, loss=loss, log_step=log_step, loss_key=source.found, direction=source.direction)
+
+        return self._guarded(step, log_step, "validation", gate)
+
+    def _direction(self) -> str | None:
+        return self.source.direction if self.source is not None else None
+
+    def _guarded(self, step: int, log_step: int | None, trigger: str,
+                 gate: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run ``gate``; a failure is recorded and warned about, never raised."""
         assert self.gate is not None
         try:
-            record = self.gate.run(step, loss=loss, log_step=log_step, trigger=trigger, loss_key=loss_key)
+            record = gate()
         except Exception as exc:  # monitoring must never stop training
             self.warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
             if trigger == "telemetry" and self.gate.telemetry is not None:
@@ -194,7 +258,8 @@ class ValidationGates:
         if self.restored is not None and "gate" in self.restored:
             self.gate.load_state_dict(self.restored["gate"])
         try:
-            self.last_record = self.gate.evaluate(step, loss, kind=kind)
+            self.last_record = self.gate.evaluate(step, loss, kind=kind, direction=self._direction(),
+                                                  loss_key=self.source.found if self.source is not None else None)
         except Exception as exc:
             self.warn(f"atlas {kind} gate at step {step} failed: {type(exc).__name__}: {exc}")
             return None

@@ -277,13 +277,14 @@ class AtlasGate:
 
     # --- one gate ----------------------------------------------------------------------------
     def run(self, step: int, loss: float | None = None, *, log_step: int | None = None, trigger: str = "validation",
-            loss_key: str | None = None) -> dict[str, Any]:
+            loss_key: str | None = None, direction: str | None = None) -> dict[str, Any]:
         """Measure, read and deliver one gate; returns the gate record.
 
         ``step`` is the training step (the record's key); ``log_step`` the step trackers plot it at
         when the training framework logs its own metrics at another step (default ``step``). ``trigger`` says why
-        the gate runs (``start``, ``validation``, ``telemetry``: an early gate the alarm asked for) and ``loss_key``
-        which metric ``loss`` is; both go to the record. The
+        the gate runs (``start``, ``validation``, ``telemetry``: an early gate the alarm asked for), ``loss_key``
+        which metric ``loss`` is and ``direction`` how it improves (default: ``objective`` in the config,
+        :meth:`~atlas_tracking.schema.config.ObjectiveConfig.direction_for`); all go to the record. The
         record's ``gate_seconds`` is the wall time of the measurement and its reading (the delivery
         that follows is added to ``seconds_total``). The returned record is the same on every rank
         except ``receipts_sha256``, which rank zero adds when it writes the receipts.
@@ -326,7 +327,7 @@ class AtlasGate:
         if pruned_reference is not None:
             record["reference_pruned"] = pruned_reference
         record["vocab_size"] = self.vocab_size
-        record.update(trigger_fields(self.telemetry, trigger, loss_key))
+        record.update(trigger_fields(self.telemetry, trigger, loss_key), objective_direction=self._direction(direction, loss_key))
         decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
         events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
         decision["alerts"] = events
@@ -388,6 +389,10 @@ class AtlasGate:
     def _close_interval(self, step: int, log_step: int | None) -> None:
         if self.telemetry is not None:
             self.telemetry.close(step, self.policy.rolls_reference, self._writer(), log_step)
+
+    def _direction(self, direction: str | None, loss_key: str | None) -> str:
+        """The objective's direction a gate records: the one given, else the configuration's for ``loss_key``."""
+        return direction or self.config.objective.direction_for(loss_key)
 
     def _protection(self, step: int) -> tuple[AtlasConfig, dict[str, Any]]:
         """The configuration the gate at ``step`` measures with and the record fields of its protected set,
@@ -514,7 +519,8 @@ class AtlasGate:
         self.delivery.alert(event)
         return line
 
-    def evaluate(self, step: int, loss: float | None = None, kind: str = "validate") -> dict[str, Any]:
+    def evaluate(self, step: int, loss: float | None = None, kind: str = "validate", *, loss_key: str | None = None,
+                 direction: str | None = None) -> dict[str, Any]:
         """A gate outside the training history (``trainer.validate()`` / ``trainer.test()``).
 
         Measured like a gate and read against the run's baseline on a copy of the policy, so the
@@ -526,7 +532,8 @@ class AtlasGate:
         report = self._measure(step, config, False)
         record = gate_record(report, None, step=step, loss=loss,
                              baseline_path=self.baseline_path if self.baseline is not None else None)
-        record.update(kind=kind, run_id=self.run_id, branch=self.branch, **protection)
+        record.update(kind=kind, run_id=self.run_id, branch=self.branch, loss_key=loss_key,
+                      objective_direction=self._direction(direction, loss_key), **protection)
         if self.handoff_reference is not None:
             record["handoff_reference"] = self.handoff_reference.source
         decision = copy.deepcopy(self.policy).read(GateSummary.from_dict(record)).to_dict()

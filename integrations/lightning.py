@@ -114,10 +114,13 @@ class AtlasCallback(pl.Callback):
         config: an :class:`~atlas_tracking.AtlasConfig`, a dict, or a YAML path.
         out_dir: where the baseline and gate records go (default ``<default_root_dir>/atlas``).
         sinks: extra sinks; the trainer's loggers are added automatically (:func:`tracker_sinks`).
-        loss_key: the ``trainer.callback_metrics`` key read as the gate's loss (default: the first of
-            ``val_loss``, ``val/loss``, ``validation_loss``, ``validation/loss``, ``valid_loss``; in
-            ``trainer.test()`` ``test_loss``, ``test/loss``). When it is not logged, the gate's loss
-            is empty and a warning names the metrics that are; a training loss is never read instead.
+        loss_key: the ``trainer.callback_metrics`` key read as the gate's objective, as ``objective.metric`` names
+            it (default: the first of ``val_loss``, ``val/loss``, ``validation_loss``, ``validation/loss``,
+            ``valid_loss``; in ``trainer.test()`` ``test_loss``, ``test/loss``; its direction is
+            ``objective.direction``, else the metric's default: ``val_acc`` is maximised). A named metric that a
+            validation in training did not log fails that gate with an error naming the metrics that were (training
+            goes on); a default that is not logged leaves the gate's loss empty with a warning naming them. A
+            training loss is never read instead.
     """
 
     def __init__(
@@ -132,6 +135,10 @@ class AtlasCallback(pl.Callback):
         try:
             self.canary = Canary.coerce(canary)
             self.config = AtlasConfig.coerce(config)
+            self.losses = LossSource({"validation": VALIDATION_LOSS_KEYS, "validate": VALIDATION_LOSS_KEYS,
+                                      "test": TEST_LOSS_KEYS}, loss_key, objective=self.config.objective,
+                                     hint="Pass AtlasCallback(loss_key=...) to name the metric to read.",
+                                     warn=rank_zero_warn)
         except ValueError as exc:
             # said once, first: a LightningCLI prints the exception below a long parser traceback
             log.error("atlas: AtlasCallback cannot start: %s", exc)
@@ -139,10 +146,7 @@ class AtlasCallback(pl.Callback):
         self.out_dir = out_dir
         self.extra_sinks = list(sinks or [])
         self.loss_key = loss_key
-        self.gates = ValidationGates(warn=rank_zero_warn)
-        self.losses = LossSource({"validation": VALIDATION_LOSS_KEYS, "validate": VALIDATION_LOSS_KEYS,
-                                  "test": TEST_LOSS_KEYS}, loss_key,
-                                 hint="Pass AtlasCallback(loss_key=...) to name the metric to read.", warn=rank_zero_warn)
+        self.gates = ValidationGates(warn=rank_zero_warn, source=self.losses)
         self._checkpoint_step = 0
         self._stepped = -1
         """The last optimizer step whose end was handed to the gate."""
@@ -217,7 +221,9 @@ class AtlasCallback(pl.Callback):
             return
         if self.gates.gated(int(trainer.global_step)) or not self.gates.due():
             return
-        record = self._gate(trainer, self.losses.read(trainer.callback_metrics, "validation"))
+        with validation_precision(trainer):
+            record = self.gates.read_run(int(trainer.global_step), trainer.callback_metrics, "validation",
+                                         log_step=logger_step(trainer))
         if record is None:
             return
         if self.config.gate.checkpoint_on_green and record.get("status") == Status.GREEN and record.get("stage") == Stage.clean:
@@ -226,11 +232,6 @@ class AtlasCallback(pl.Callback):
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.gate is not None:
             self._evaluate(trainer, "test")
-
-    def _gate(self, trainer: pl.Trainer, loss: float | None) -> dict[str, Any] | None:
-        with validation_precision(trainer):
-            return self.gates.run(int(trainer.global_step), loss, log_step=logger_step(trainer),
-                                  loss_key=self.losses.found)
 
     def _evaluate(self, trainer: pl.Trainer, kind: str) -> None:
         # validate/test(ckpt_path=...) restore the model and this callback's state but not the loop's step

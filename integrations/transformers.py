@@ -12,7 +12,10 @@ record (written first) and tracker delivery.
   (:meth:`AtlasGate.resume`: one history, trackers caught up) and its first gate is a BASELINE.
 - ``on_evaluate``: a gate after every ``gate.every_n_validations``-th evaluation step, at the Trainer's
   ``global_step`` (the step its own integrations log ``eval_loss`` at), with ``eval_loss`` as the
-  gate's loss (with several evaluation datasets, once per step, after the one ``loss_key`` names). A failing gate never stops training (``atlas/errors.jsonl`` and a warning).
+  gate's objective, minimised (with several evaluation datasets, once per step, after the one ``loss_key`` names).
+  Under TRL's ``GRPOTrainer`` or ``RLOOTrainer``, whose ``eval_loss`` is a policy-gradient surrogate, the objective
+  is the mean reward ``eval_reward``, maximised (:func:`surrogate_loss`). A failing gate never stops training
+  (``atlas/errors.jsonl`` and a warning); so does a gate whose evaluation lacks the metric the operator named.
   Each gate prints one line on rank zero, as the Lightning callback does (logger ``atlas_tracking.trainer``).
   ``trainer.evaluate()`` outside training writes a gate to ``atlas/evaluations.jsonl`` only.
 - State: the callback is an ``ExportableState``; its state goes into every checkpoint's
@@ -52,6 +55,13 @@ log = logging.getLogger("atlas_tracking")
 
 EVAL_LOSS_KEYS = ("eval_loss",)
 """Evaluation loss names read when ``loss_key`` is not given (never a training loss)."""
+REWARD_KEYS = ("eval_reward",)
+"""The objective read when ``loss_key`` is not given under a trainer whose logged loss is a surrogate: the mean
+reward of the evaluation's completions (maximised: ``objective.direction`` defaults to it for a reward)."""
+SURROGATE_CONFIGS = ("GRPOConfig", "RLOOConfig")
+"""TRL's training arguments of the trainers whose ``eval_loss`` is a policy-gradient surrogate (flat while the reward
+rises) and whose evaluation metrics hold ``eval_reward``: GRPOTrainer and RLOOTrainer (GMPOTrainer and any other
+subclass take a subclass of their arguments)."""
 TRAINER_STEP_KEY = "train/global_step"
 """The x-axis the transformers ``WandbCallback`` logs every metric against; gates use it too."""
 
@@ -135,6 +145,21 @@ def logging_cadence(args: TrainingArguments, state: TrainerState) -> int | None:
     return max(1, math.ceil(steps * state.max_steps)) if steps < 1 else int(steps)
 
 
+def surrogate_loss(args: Any) -> bool:
+    """The Trainer's arguments are TRL's of a trainer whose logged loss is a surrogate (:data:`SURROGATE_CONFIGS`, or
+    a subclass). A callback is handed the arguments, never the trainer, and each of these trainers requires its own
+    arguments class; trl is not imported.
+
+    >>> class GRPOConfig:
+    ...     __module__ = "trl.trainer.grpo_config"
+    >>> class MyConfig(GRPOConfig):
+    ...     __module__ = "mine"
+    >>> surrogate_loss(MyConfig()), surrogate_loss(object())
+    (True, False)
+    """
+    return any(c.__name__ in SURROGATE_CONFIGS and c.__module__.split(".")[0] == "trl" for c in type(args).__mro__)
+
+
 def _prefix(metric: str) -> str:
     """The evaluation a Trainer metric belongs to: ``eval`` (one dataset) or ``eval_<dataset>``.
 
@@ -159,11 +184,14 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         config: an :class:`~atlas_tracking.AtlasConfig`, a dict, or a YAML path.
         out_dir: where the baseline and gate records go (default ``<output_dir>/atlas``).
         sinks: extra sinks; the W&B and MLflow runs of ``report_to`` are added automatically.
-        loss_key: the evaluation metric read as the gate's loss (default ``eval_loss``). When it is not
-            in the evaluation's metrics, the gate's loss is empty and a warning names the metrics that
-            are; a training loss is never read instead. With several evaluation datasets the Trainer
-            evaluates them one after another at the same step: the gate runs once per step, after the
-            evaluation whose metrics hold this key (name it ``eval_<dataset>_loss``).
+        loss_key: the evaluation metric read as the gate's objective, as ``objective.metric`` names it (default
+            ``eval_loss``, minimised; ``eval_reward``, maximised, under TRL's GRPOTrainer and RLOOTrainer; its
+            direction is ``objective.direction``, else the metric's default). When a named metric is not in a
+            gate's evaluation metrics, that gate fails with an error naming the metrics that are (training goes
+            on); when the default is missing, the gate's loss is empty and a warning names them. A training
+            loss is never read instead. With several evaluation datasets the Trainer evaluates them one after
+            another at the same step: the gate runs once per step, after the evaluation whose metrics hold this
+            key (name it ``eval_<dataset>_loss``).
 
     Resume: ``trainer.train(resume_from_checkpoint=...)`` loads the checkpoint's ``trainer_state.json``,
     and this callback reads its own entry there (``stateful_callbacks``), so the callback you pass
@@ -185,6 +213,9 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         try:
             self.canary = Canary.coerce(canary)
             self.config = AtlasConfig.coerce(config)
+            self.losses = LossSource({"evaluation": EVAL_LOSS_KEYS}, loss_key, objective=self.config.objective,
+                                     hint="Pass AtlasTrainerCallback(loss_key=...) to name the metric to read.",
+                                     warn=_warn)
         except ValueError as exc:
             log.error("atlas: AtlasTrainerCallback cannot start: %s", exc)
             raise
@@ -196,9 +227,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         self.loss_key = loss_key
         self.atlas_state: dict[str, Any] | None = None
         """The checkpointed state the Trainer sets when it re-creates this callback from a checkpoint."""
-        self.gates = ValidationGates(warn=_warn)
-        self.losses = LossSource({"evaluation": EVAL_LOSS_KEYS}, loss_key,
-                                 hint="Pass AtlasTrainerCallback(loss_key=...) to name the metric to read.", warn=_warn)
+        self.gates = ValidationGates(warn=_warn, source=self.losses)
         self._canary_file = str(canary) if isinstance(canary, (str, Path)) else None
         self._training = False
         self._round_step = -1
@@ -241,6 +270,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, **kwargs: Any) -> None:
         restored = self._checkpointed(state)
+        self._objective(args)
         if args.eval_strategy == "no":
             _warn("atlas: TrainingArguments.eval_strategy is 'no': the Trainer never evaluates, so no gate runs "
                   "after the step-0 baseline. Set eval_strategy='steps' and eval_steps=N to gate every N steps.")
@@ -256,6 +286,10 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         state.stateful_callbacks.setdefault(type(self).__name__, self.state())
         self._training = True
 
+    def _objective(self, args: TrainingArguments) -> None:
+        """The default objective of this Trainer: the mean reward under a surrogate loss, else the evaluation loss."""
+        self.losses.keys["evaluation"] = REWARD_KEYS if surrogate_loss(args) else EVAL_LOSS_KEYS
+
     def _keep_canary(self) -> None:
         gate = self.gates.gate
         if gate is None or not _is_rank_zero():
@@ -270,6 +304,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
                     metrics: dict[str, float] | None = None, model: Any = None, **kwargs: Any) -> None:
         step = int(state.global_step)
         metrics = dict(metrics or {})
+        self._objective(args)
         if not self._training:  # trainer.evaluate() outside training: not part of the history
             if self._last_of_round(metrics):
                 if self.gates.gate is None:
@@ -307,8 +342,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         if self._round is None:
             return
         metrics, self._round = self._round, None
-        loss = self.losses.read(metrics, "evaluation")
-        self.gates.run(self._round_step, loss, loss_key=self.losses.found)
+        self.gates.read_run(self._round_step, metrics, "evaluation")
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._flush()

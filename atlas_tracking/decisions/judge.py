@@ -28,6 +28,11 @@ losses themselves:
    ``loss_tol`` above the stressed run's final loss (its last gate with a loss). A candidate that does not
    gave the scalar win back: you do not get credit by simply failing the task.
 
+Every loss is read in the objective's direction (each record's ``objective_direction``, minimised when absent): for
+a maximised objective (a reward), "best" is the highest, "above" is below, and a candidate reaches the stressed
+run's quality when its best value is at least the stressed final value less ``loss_tol``. Two runs whose gates read
+different directions, or two different named metrics (``loss_key``), are not comparable.
+
 Checks 1-3 are read at the latest matched gate. Matching: every candidate gate with a loss is paired
 with the stressed gate of nearest loss (ties: the stressed gate nearest in step, then the earlier) when
 the two losses differ by at most ``loss_tol`` (absolute, in the loss's own unit); other candidate gates
@@ -48,8 +53,8 @@ re-derived from the per-window arrays); otherwise the evidence is the point delt
 the output says so.
 
 Verdict: ``real fix`` (all five checks pass), ``not yet`` (names the failing checks) or
-``not comparable`` (says why: different canary fingerprints, no gate at matched loss, missing receipts
-fields). Records that carry no canary fingerprint at all (hand-written sequences such as the paper's
+``not comparable`` (says why: different canary fingerprints, different objectives, no gate at matched loss,
+missing receipts fields). Records that carry no canary fingerprint at all (hand-written sequences such as the paper's
 tables) are compared as given, with that caveat stated; one side with a fingerprint and one without,
 or two different fingerprints, is not comparable.
 
@@ -73,6 +78,9 @@ Example:
     >>> stuck = [dict(g, loss=4.7) for g in better]  # the same geometry, never below the stressed loss 4.7
     >>> judge_records(stressed, stuck)["failing"]
     ['scalar_quality']
+    >>> rewards = [dict(g, loss_key="eval_reward", objective_direction="maximize") for g in better]
+    >>> judge_records(stressed, rewards)["reason"]
+    'different objectives: stressed an unnamed metric (minimize), candidate eval_reward (maximize)'
 """
 
 from __future__ import annotations
@@ -88,6 +96,7 @@ from atlas_tracking.artifacts.history import HistoryError, read_run_gates
 from atlas_tracking.artifacts.io import jsonable
 from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.artifacts.run_dir import RunDir, file_sha256
+from atlas_tracking.decisions.policy import cost_sign, objective_name
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.stats import bootstrap_indices, percentile_ci, ratio_samples
 from atlas_tracking.schema.config import AtlasConfig
@@ -99,7 +108,7 @@ CHECKS = {
     "occupancy": "occupancy broadens (dead down, entropy up, CV down), or is not needed",
     "not_state1_only": "the gain is not carried by State1 alone",
     "persistence": "the improvement persists at every gate from the first matched one",
-    "scalar_quality": "the candidate reaches the stressed run's scalar quality (its final loss)",
+    "scalar_quality": "the candidate reaches the stressed run's scalar quality (its final objective)",
 }
 DELTAS = ("c2", "dead_experts", "min_entropy", "mean_cv", "margin")
 REQUIRED = ("c2", "dead_experts", "min_entropy", "mean_cv")
@@ -124,16 +133,43 @@ def _with_loss(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if finite_number(r.get("loss")) is not None]
 
 
+def _objective(records: list[dict[str, Any]], name: str) -> tuple[dict[str, Any], str | None]:
+    """The objective a run's gates with a loss read (``metric``: the one ``loss_key`` they name, or None; ``direction``:
+    minimised when no gate says otherwise), and a reason the run is not comparable when they read more than one.
+
+    >>> _objective([{"loss": 0.1, "loss_key": "eval_reward", "objective_direction": "maximize"}], "candidate")
+    ({'metric': 'eval_reward', 'direction': 'maximize'}, None)
+    """
+    read = {(r.get("loss_key"), r.get("objective_direction") or "minimize") for r in _with_loss(records)}
+    metrics = sorted({m for m, _ in read if m is not None})
+    directions = sorted({d for _, d in read}) or ["minimize"]
+    objective = {"metric": metrics[0] if metrics else None, "direction": directions[0]}
+    if len(metrics) > 1 or len(directions) > 1:
+        return objective, (f"the {name} run's history reads more than one objective: "
+                           + ", ".join(f"{m or 'unnamed'} ({d})" for m, d in sorted(read, key=str)))
+    return objective, None
+
+
+def _objective_text(objective: dict[str, Any]) -> str:
+    return f"{objective['metric'] or 'an unnamed metric'} ({objective['direction']})"
+
+
+def _same_objective(stressed: dict[str, Any], candidate: dict[str, Any]) -> bool:
+    """The same direction, and the same metric where both runs name one (a plain loop's gates name none)."""
+    metrics = {stressed["metric"], candidate["metric"]} - {None}
+    return stressed["direction"] == candidate["direction"] and len(metrics) <= 1
+
+
 def _nearest(pool: list[dict[str, Any]], c: dict[str, Any], lc: float) -> dict[str, Any]:
     """The stressed gate of nearest loss to ``c`` (ties: nearest in step, then the earlier)."""
     return min(pool, key=lambda s: (abs(float(s["loss"]) - lc), abs(s["step"] - c["step"]), s["step"]))
 
 
-def _pairs(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float):
+def _pairs(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float, sign: int = 1):
     """Candidate gates paired with the stressed gate of nearest loss, within ``loss_tol``; the unpaired; and the
     persistence trail: ``(stressed, candidate, matched)`` for every candidate gate with a loss from the first
     matched one on, an unmatched gate read against the stressed gate of nearest loss (the stressed run's final
-    gate when its loss is below every stressed loss)."""
+    gate when its loss is better than every stressed loss: lower times ``sign``, :func:`cost_sign`)."""
     pool = _with_loss(stressed)
     pairs, unpaired, trail = [], [], []
     for c in _with_loss(candidate):
@@ -150,7 +186,7 @@ def _pairs(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss
             continue
         against = None
         if trail:
-            against = pool[-1] if lc < min(float(s["loss"]) for s in pool) else best
+            against = pool[-1] if sign * lc < min(sign * float(s["loss"]) for s in pool) else best
             trail.append((against, c, False))
         unpaired.append({"step": c["step"], "loss": lc, "why": f"nearest stressed loss {best['loss']} is "
                          f"{gap:.4g} away (> {loss_tol})", "against": None if against is None else against["step"]})
@@ -294,18 +330,22 @@ def _occupancy_note(p: dict[str, Any], healthy: dict[str, Any]) -> str | None:
     return None
 
 
-def _scalar(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float) -> dict[str, Any]:
+def _scalar(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], loss_tol: float,
+            objective: dict[str, Any]) -> dict[str, Any]:
+    """Check 5 in the objective's direction: the candidate's best value against the stressed run's final one."""
+    sign, word = cost_sign(objective["direction"]), objective_name(objective["direction"], objective["metric"])
     final = _with_loss(stressed)[-1]
-    best = min(_with_loss(candidate), key=lambda c: (float(c["loss"]), c["step"]))
+    best = min(_with_loss(candidate), key=lambda c: (sign * float(c["loss"]), c["step"]))
     b, f = float(best["loss"]), float(final["loss"])
-    passed = b - f <= loss_tol
+    passed = sign * (b - f) <= loss_tol
     return {"name": "scalar_quality", "title": CHECKS["scalar_quality"], "passed": passed,
             "candidate_best_loss": b, "candidate_best_step": best["step"], "stressed_final_loss": f,
-            "stressed_final_step": final["step"], "loss_tol": loss_tol,
+            "stressed_final_step": final["step"], "loss_tol": loss_tol, "objective": word,
+            "direction": objective["direction"],
             "note": None if passed else (
-                f"the scalar win was given back: the candidate's best loss {b:.4g} (step {best['step']}) is "
-                f"{b - f:.4g} above the stressed run's final loss {f:.4g} (step {final['step']}), more than the "
-                f"tolerance {loss_tol}")}
+                f"the scalar win was given back: the candidate's best {word} {b:.4g} (step {best['step']}) is "
+                f"{abs(b - f):.4g} {'above' if sign > 0 else 'below'} the stressed run's final {word} {f:.4g} (step "
+                f"{final['step']}), more than the tolerance {loss_tol}")}
 
 
 def _checks(pairs: list[dict[str, Any]], trail: list[dict[str, Any]], n_persist: int,
@@ -348,7 +388,8 @@ def _knowledge(out: dict[str, Any], loss_tol: float) -> None:
     checks = {c["name"]: c["passed"] for c in out["checks"]}
     out["chart_preserving"] = bool(checks.get("state2") and checks.get("occupancy"))
     target, final = out["target_loss"], out["final_loss"]
-    out["reaches_target"] = None if target is None or final is None else final - target <= loss_tol
+    sign, word = cost_sign(out["objective"]["direction"]), objective_name(**out["objective"])
+    out["reaches_target"] = None if target is None or final is None else sign * (final - target) <= loss_tol
     if not out["checks"]:
         out["knowledge_note"] = "not comparable: neither predicate is read"
     elif not out["chart_preserving"]:
@@ -356,12 +397,13 @@ def _knowledge(out: dict[str, Any], loss_tol: float) -> None:
                                  "is read on chart-preserving candidates only")
     elif out["reaches_target"]:
         out["knowledge_expansive"] = "yes"
-        out["knowledge_note"] = (f"chart-preserving and at the target: final loss {final:.4g} within {loss_tol} of "
-                                 f"the stressed run's final loss {target:.4g}")
+        out["knowledge_note"] = (f"chart-preserving and at the target: final {word} {final:.4g} within {loss_tol} of "
+                                 f"the stressed run's final {word} {target:.4g}")
     else:
         out["knowledge_expansive"] = "not yet"
-        out["knowledge_note"] = (f"chart-preserving, but its final loss {final:.4g} is more than {loss_tol} above "
-                                 f"the target (the stressed run's final loss {target:.4g})")
+        out["knowledge_note"] = (f"chart-preserving, but its final {word} {final:.4g} is more than {loss_tol} "
+                                 f"{'above' if sign > 0 else 'below'} the target (the stressed run's final {word} "
+                                 f"{target:.4g})")
 
 
 def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]], config: AtlasConfig | None = None,
@@ -384,8 +426,14 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
     fa, why_a = _fingerprint(stressed, "stressed")
     fb, why_b = _fingerprint(candidate, "candidate")
     out["canary_fingerprint"] = fb
-    if why_a or why_b:
-        out["reason"] = why_a or why_b
+    (objective, why_c), (theirs, why_d) = _objective(stressed, "stressed"), _objective(candidate, "candidate")
+    out["objective"] = objective
+    if why_a or why_b or why_c or why_d:
+        out["reason"] = why_a or why_b or why_c or why_d
+        return _done(out, loss_tol)
+    if not _same_objective(objective, theirs):
+        out["reason"] = (f"different objectives: stressed {_objective_text(objective)}, candidate "
+                         f"{_objective_text(theirs)}")
         return _done(out, loss_tol)
     if fa != fb:
         out["reason"] = (f"different canaries: stressed {fa or 'no fingerprint'}, candidate {fb or 'no fingerprint'} "
@@ -393,7 +441,7 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
         return _done(out, loss_tol)
     if fa is None:
         out["caveat"] = "neither record carries a canary fingerprint: the runs are trusted to share one canary"
-    raw, out["unpaired"], trail = _pairs(stressed, candidate, loss_tol)
+    raw, out["unpaired"], trail = _pairs(stressed, candidate, loss_tol, cost_sign(objective["direction"]))
     if not raw:
         out["reason"] = f"no candidate gate is at matched loss (within {loss_tol}) with a stressed gate"
         return _done(out, loss_tol)
@@ -410,7 +458,8 @@ def judge_records(stressed: list[dict[str, Any]], candidate: list[dict[str, Any]
     out["pairs"] = [r for r in rows if r["matched"]]
     out["evidence"] = ("paired window-bootstrap CIs" if all(cis) else
                        "point deltas" if not any(cis) else "paired CIs on some gates, point deltas on the others")
-    out["checks"] = _checks(out["pairs"], rows, pol.n_recover, healthy, _scalar(stressed, candidate, loss_tol))
+    out["checks"] = _checks(out["pairs"], rows, pol.n_recover, healthy,
+                            _scalar(stressed, candidate, loss_tol, objective))
     out["failing"] = [c["name"] for c in out["checks"] if not c["passed"]]
     out["verdict"] = NOT_YET if out["failing"] else REAL_FIX
     if "scalar_quality" in out["failing"]:
@@ -430,9 +479,9 @@ def judge_many_records(stressed: list[dict[str, Any]], candidates: list[list[dic
     """Several candidates judged against one stressed run, each as by :func:`judge_records` (with its ``name``),
     and the knowledge-expansive predicate read across them: a chart-preserving candidate whose final loss is
     short of the target is ``not yet`` and names in ``reached_by`` every other candidate whose final loss
-    reaches the target (within ``loss_tol`` of the stressed run's final loss) and is lower than its own by
-    more than ``loss_tol``. Returns ``target_loss``, ``loss_tol``, ``reached_target`` (the names) and
-    ``candidates`` (the results, in order)."""
+    reaches the target (within ``loss_tol`` of the stressed run's final loss) and is better than its own (lower;
+    higher for a maximised objective) by more than ``loss_tol``. Returns ``target_loss``, ``objective`` (the
+    stressed run's), ``loss_tol``, ``reached_target`` (the names) and ``candidates`` (the results, in order)."""
     names = list(names) if names is not None else [f"candidate {i + 1}" for i in range(len(candidates))]
     dirs = list(candidate_dirs) if candidate_dirs is not None else [None] * len(candidates)
     if not candidates or len(names) != len(candidates) or len(dirs) != len(candidates):
@@ -443,16 +492,19 @@ def judge_many_records(stressed: list[dict[str, Any]], candidates: list[list[dic
     results = [{"name": n, **judge_records(stressed, c, config, loss_tol, stressed_dir, d)}
                for n, c, d in zip(names, candidates, dirs)]
     reached = [r for r in results if r["reaches_target"]]
+    objective = results[0]["objective"]
+    sign, word = cost_sign(objective["direction"]), objective_name(**objective)
     for r in results:
         if r["knowledge_expansive"] != "not yet":
             continue
-        r["reached_by"] = [o["name"] for o in reached if o is not r and o["final_loss"] < r["final_loss"] - loss_tol]
+        r["reached_by"] = [o["name"] for o in reached
+                           if o is not r and sign * (o["final_loss"] - r["final_loss"]) < -loss_tol]
         r["knowledge_note"] += ("; reached by " + ", ".join(
-            f"{o['name']} (final loss {o['final_loss']:.4g})" for o in reached if o["name"] in r["reached_by"])
+            f"{o['name']} (final {word} {o['final_loss']:.4g})" for o in reached if o["name"] in r["reached_by"])
             if r["reached_by"] else "; no other candidate reaches it")
     target = results[0]["target_loss"]
-    return jsonable({"target_loss": target, "loss_tol": loss_tol, "reached_target": [r["name"] for r in reached],
-                     "candidates": results})
+    return jsonable({"target_loss": target, "objective": objective, "loss_tol": loss_tol,
+                     "reached_target": [r["name"] for r in reached], "candidates": results})
 
 
 def _history(path: str | Path, name: str) -> tuple[list[dict[str, Any]], Path]:
@@ -516,8 +568,9 @@ def table(result: dict[str, Any]) -> str:
             detail = (f"gates {c['gates']} against stressed {c['against']} passed {c['passed_at']} "
                       f"(needs {c['required_gates']})")
         elif c["name"] == "scalar_quality":
-            detail = (f"best loss {c['candidate_best_loss']:.4g} (step {c['candidate_best_step']}) vs stressed final "
-                      f"loss {c['stressed_final_loss']:.4g} (step {c['stressed_final_step']}), tolerance {c['loss_tol']}")
+            detail = (f"best {c['objective']} {c['candidate_best_loss']:.4g} (step {c['candidate_best_step']}) vs "
+                      f"stressed final {c['objective']} {c['stressed_final_loss']:.4g} (step "
+                      f"{c['stressed_final_step']}), tolerance {c['loss_tol']}")
         note = c.get("note")
         if c["name"] == "scalar_quality" and note:  # the note restates the numbers
             detail, note = note, None
@@ -540,7 +593,8 @@ def table(result: dict[str, Any]) -> str:
 def many_table(result: dict[str, Any]) -> str:
     """The readable verdicts of several candidates (:func:`judge_many_records`), one block each."""
     target = "-" if result["target_loss"] is None else f"{result['target_loss']:.4g}"
-    lines = [f"target loss {target} (the stressed run's final loss, within {result['loss_tol']}); reached by: "
+    word = objective_name(**result["objective"])
+    lines = [f"target {word} {target} (the stressed run's final {word}, within {result['loss_tol']}); reached by: "
              + (", ".join(result["reached_target"]) or "none")]
     for r in result["candidates"]:
         lines += ["", f"== candidate {r['name']}", table(r)]

@@ -37,7 +37,7 @@ from atlas_tracking.decisions.phases import (
     v2_c1_failures,
 )
 from atlas_tracking.decisions.predicates import INPUTS, read_predicates
-from atlas_tracking.schema.config import AtlasConfig, PolicyConfig
+from atlas_tracking.schema.config import DIRECTIONS, AtlasConfig, PolicyConfig
 from atlas_tracking.schema.record import DELTA_FIELDS, GateDecision, Phase, Stage, Status
 
 ACTIONS = {
@@ -134,6 +134,7 @@ class GateSummary:
     min_entropy: float
     mean_cv: float
     loss: float | None = None
+    """The objective's value at the gate: a loss, or a maximised metric (``objective_direction``)."""
     margin: float | None = None
     resume: bool = False
     num_experts: int | None = None
@@ -155,6 +156,10 @@ class GateSummary:
     c2_absent: str | None = None
     """Why C2 is absent (the record's ``c2_absent``): the gate is read by the C2-free rules
     (docs/policy.md#top-1-routing)."""
+    loss_key: str | None = None
+    """The metric ``loss`` was read from (None: not named, as in a plain loop)."""
+    objective_direction: str = "minimize"
+    """How ``loss`` improves (the record's ``objective_direction``; records without one are minimised)."""
 
     REQUIRED = ("step", "c2", "dead_experts", "min_entropy", "mean_cv")
     CI_FIELDS = tuple(key for key in DELTA_FIELDS if key.endswith("_ci"))
@@ -206,9 +211,21 @@ class GateSummary:
             raise PolicyInputError(f"field 'vocab_size' must be an integer >= 2, got {vocab!r}")
         if phase is not None and phase not in PHASES:
             raise PolicyInputError(f"field 'phase' must be one of {', '.join(PHASES)}, got {phase!r}")
+        direction, loss_key = data.get("objective_direction") or "minimize", data.get("loss_key")
+        if direction not in DIRECTIONS:
+            raise PolicyInputError(f"field 'objective_direction' must be one of {', '.join(DIRECTIONS)}, "
+                                   f"got {direction!r}")
+        if loss_key is not None and not isinstance(loss_key, str):
+            raise PolicyInputError(f"field 'loss_key' must be a string, got {loss_key!r}")
         return cls(step=step, resume=resume, layers=layers, num_experts=int(num) if isinstance(num, int) else None,
                    vocab_size=vocab, phase=phase, handoff_reference=reference, c2_absent=absent or None,
+                   loss_key=loss_key, objective_direction=direction,
                    damage={k: data[k] for k in INPUTS if data.get(k) is not None}, **values, **cis)
+
+    @property
+    def objective_word(self) -> str:
+        """What the sentences call the gate's objective (:func:`objective_name`)."""
+        return objective_name(self.objective_direction, self.loss_key)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -324,15 +341,27 @@ class GatePolicy:
         return trend
 
     def _loss_trend(self, g: GateSummary) -> str:
-        """Improving: below the loss ``loss_window`` gates back (by more than loss_tol) and not above the last one."""
+        """Improving: better, in the objective's direction, than its value ``loss_window`` gates back (by more than
+        loss_tol) and not worse than the last one (by more than loss_tol). Only earlier gates read in the same
+        direction since the baseline count.
+
+        >>> p = GatePolicy()
+        >>> rewards = [GateSummary(s, 0.1, 0, 3.0, 100, loss=r, objective_direction="maximize")
+        ...            for s, r in [(0, None), (10, 0.14), (20, 0.31)]]
+        >>> [p.read(g).loss_trend for g in rewards]
+        ['unknown', 'unknown', 'improving']
+        """
         if g.loss is None:
             return "unknown"
-        earlier = [h["loss"] for h in self.history[self._baseline_index():] if h.get("loss") is not None]
+        sign = cost_sign(g.objective_direction)  # the objective as a cost: lower is better in either direction
+        earlier = [sign * h["loss"] for h in self.history[self._baseline_index():]
+                   if h.get("loss") is not None and h.get("objective_direction", "minimize") == g.objective_direction]
         if not earlier:
             return "unknown"
         window = self.cfg.loss_window
         ref = earlier[-window] if len(earlier) >= window else earlier[0]
-        improving = g.loss < ref - self.cfg.loss_tol and g.loss <= earlier[-1] + self.cfg.loss_tol
+        cost = sign * g.loss
+        improving = cost < ref - self.cfg.loss_tol and cost <= earlier[-1] + self.cfg.loss_tol
         return "improving" if improving else "stalling"
 
     def _baseline_index(self) -> int:
@@ -375,7 +404,7 @@ class GatePolicy:
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
             action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend, stage),
             licensed=_licensed(g, c2_trend, occupancy, loss_trend, stage),
-            unlicensed=_unlicensed(c2_trend, occupancy, stage),
+            unlicensed=_unlicensed(g, c2_trend, occupancy, stage),
             intervention=_intervention(c2_trend, occupancy, loss_trend, stage, rebound, repaired, g, prev),
             worst_layers=_worst_layers(g, ref), phase=Phase.post_training, phase_source=self.phase_source,
             rule=RULES[rule], predicates=read_predicates(g.damage, self.cfg),
@@ -482,7 +511,7 @@ class GatePolicy:
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
             action=ACTIONS[stage], interpretation=_pretraining_interpretation(stage, collapse, c.n_stable),
-            licensed=_pretraining_licensed(loss_trend, stage),
+            licensed=_pretraining_licensed(g, loss_trend, stage),
             unlicensed=_pretraining_unlicensed(reasons),
             intervention=INTERVENTIONS["collapse"] if collapse else None,
             worst_layers=_worst_layers(g, ref), phase=Phase.pretraining, phase_source=self.phase_source,
@@ -529,7 +558,24 @@ class GatePolicy:
         self.stage = Stage(stage).value  # the state holds plain strings: it is saved in checkpoints
         self.history.append({"step": g.step, "status": Status(status).value, "stage": self.stage, "c2": g.c2,
                              "dead_experts": g.dead_experts, "min_entropy": g.min_entropy, "mean_cv": g.mean_cv,
-                             "loss": g.loss, "occupancy": occupancy, "phase": _plain(self.phase)})
+                             "loss": g.loss, "objective_direction": g.objective_direction, "occupancy": occupancy,
+                             "phase": _plain(self.phase)})
+
+
+def cost_sign(direction: str) -> int:
+    """The factor that turns an objective into a cost, lower being better: 1 when minimised, -1 when maximised."""
+    return -1 if direction == "maximize" else 1
+
+
+def objective_name(direction: str, metric: str | None) -> str:
+    """What the sentences call the objective: "loss" when minimised, the metric's name when maximised.
+
+    >>> objective_name("minimize", "eval_loss"), objective_name("maximize", "eval_reward")
+    ('loss', 'eval_reward')
+    """
+    if direction == "maximize":
+        return metric or "the maximised objective"
+    return "loss"
 
 
 def _plain(value: str | None) -> str | None:
@@ -589,10 +635,10 @@ def _pretraining_interpretation(stage: str, collapse: list[str], n_stable: int) 
             "are off in pretraining, and the question is whether handoff is licensed yet.")
 
 
-def _pretraining_licensed(loss: str, stage: str) -> list[str]:
+def _pretraining_licensed(g: GateSummary, loss: str, stage: str) -> list[str]:
     out = []
     if loss == "improving":
-        out.append("The objective improved on the visited region (loss / State3).")
+        out.append(f"The objective improved on the visited region ({g.objective_word} / State3).")
     if stage != Stage.collapse:
         out.append("No occupancy collapse: every routed layer stays above the collapse floors (occupancy).")
     if stage == Stage.ready:
@@ -640,7 +686,7 @@ def _interpretation(c2_trend: str, occupancy: str, loss: str, stage: Stage) -> s
 def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: str) -> list[str]:
     out = []
     if loss == "improving":
-        out.append("The objective improved on the visited region (loss / State3).")
+        out.append(f"The objective improved on the visited region ({g.objective_word} / State3).")
     out.append("The run is using a " + ("broad" if occupancy == "healthy" else "narrowing") + " subset of experts (occupancy).")
     if c2_trend == "worsening":
         out.append("Adjacent co-active charts are becoming less compatible (State2).")
@@ -649,7 +695,7 @@ def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: s
     if g.margin is not None:
         out.append("Top-k competitions are sharper / noisier near the boundary, as State1 shows (decisiveness only).")
     if c2_trend == "worsening" and occupancy == "degrading" and loss == "improving":
-        out.append("Scalar improvement without geometric recovery (loss + State2 + occupancy read jointly).")
+        out.append(f"Scalar improvement without geometric recovery ({g.objective_word} + State2 + occupancy read jointly).")
     if stage == Stage.clean and c2_trend == NO_C2:
         out.append("Preservation of the atlas's occupancy since the baseline on this canary (top-1 routing: there "
                    "is no State2 to read).")
@@ -658,7 +704,7 @@ def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: s
     return out
 
 
-def _unlicensed(c2_trend: str, occupancy: str, stage: str) -> list[str]:
+def _unlicensed(g: GateSummary, c2_trend: str, occupancy: str, stage: str) -> list[str]:
     out = ["Global routed health from State1 margins alone (the margin trap)."]
     if c2_trend == NO_C2:
         out.append("Co-active chart compatibility (State2): top-1 routing has no co-active pairs, so no C2.")
@@ -666,7 +712,7 @@ def _unlicensed(c2_trend: str, occupancy: str, stage: str) -> list[str]:
         out.append("Atlas preservation or structural health since the baseline.")
     if occupancy == "degrading":
         out.append("Handoff readiness: usage is narrowing.")
-    out.append("Whether progress came from a narrowed visited region, from loss alone.")
+    out.append(f"Whether progress came from a narrowed visited region, from {g.objective_word} alone.")
     if c2_trend != "worsening" and occupancy == "healthy" and stage != Stage.clean:
         out.append("Recovery: it needs repeated jointly recovering gates.")
     return out

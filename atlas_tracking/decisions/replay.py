@@ -2,7 +2,9 @@
 
 Every input line is a gate (the first is the baseline) with at least ``step, c2, dead_experts,
 min_entropy, mean_cv, loss`` (loss may be null; c2 may be null with ``c2_absent``, at top-1 routing);
-optional ``margin, resume, num_experts, layers, c2_delta_ci``. ``atlas/gates.jsonl`` written by a run is valid input. All lines are
+optional ``margin, resume, num_experts, layers, c2_delta_ci``, and ``loss_key, objective_direction`` (how the loss
+improves: ``minimize``, the default, or ``maximize``): each gate's loss is read in its record's own direction, so a
+run's record replays to the decisions it made live. ``atlas/gates.jsonl`` written by a run is valid input. All lines are
 read and validated before anything is printed: a bad line is one error naming the line
 number and the field, and nothing is half-written. A run's record is replayed as its one
 history (gates of an abandoned branch are not replayed).

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -198,10 +199,11 @@ class PolicyConfig:
     cv_tol: float = 5.0
     """Mean load CV (x100, as in the paper's tables) may rise by at most this much."""
     loss_tol: float = 0.0
-    """Loss must fall by more than this to count as 'improving'."""
+    """The objective must improve (a loss fall, a maximised objective rise) by more than this to count as
+    'improving'."""
     loss_window: int = 2
-    """Loss is 'improving' when below the loss this many gates earlier (or the earliest since the
-    baseline) by more than loss_tol, and not above the previous gate's loss."""
+    """The objective is 'improving' when better than its value this many gates earlier (or the earliest since the
+    baseline) by more than loss_tol, and not worse than the previous gate's by more than loss_tol."""
     n_recover: int = 2
     """Consecutive jointly recovering gates needed to return to 'clean'."""
     use_ci: bool = True
@@ -220,6 +222,55 @@ class PolicyConfig:
         for name in ("c2_tol", "dead_tol", "entropy_tol", "cv_tol", "loss_tol", "damage_kl_tol", "damage_nll_tol"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"'{prefix}{name}' must be >= 0, got {getattr(self, name)!r}")
+
+
+DIRECTIONS = ("minimize", "maximize")
+"""The directions an objective improves in."""
+MAXIMIZED_WORDS = ("reward", "rewards", "accuracy", "acc")
+"""Words of a metric's name that make it maximised by default (:func:`default_direction`)."""
+
+
+def default_direction(metric: str | None) -> str:
+    """The direction a metric improves in when none is configured: ``maximize`` when a word of its name (split at
+    anything but letters and digits) is in :data:`MAXIMIZED_WORDS` and none is ``loss``; otherwise ``minimize``.
+
+    >>> [default_direction(m) for m in ("eval_reward", "eval_rewards/format/mean", "val/acc", "eval_loss", None)]
+    ['maximize', 'maximize', 'maximize', 'minimize', 'minimize']
+    >>> default_direction("reward_loss")
+    'minimize'
+    """
+    words = set(re.split(r"[^a-z0-9]+", (metric or "").lower()))
+    return "maximize" if words & set(MAXIMIZED_WORDS) and "loss" not in words else "minimize"
+
+
+@dataclass
+class ObjectiveConfig:
+    """The gate's objective: the logged metric a gate reads as its ``loss`` and the direction it improves in
+    (docs/policy.md#the-objective). The loss trend, the judge's scalar-quality check and the sentences read it in
+    its direction."""
+
+    metric: str | None = None
+    """The metric a training framework's callback reads (the callbacks' ``loss_key=`` names it too). None: the
+    integration's default (``eval_loss``; ``eval_reward`` under TRL's GRPOTrainer and RLOOTrainer; Lightning's
+    ``val_loss``, ...). A named metric a gate's evaluation did not log fails that gate with an error naming the
+    metrics it did log."""
+    direction: Literal["minimize", "maximize"] | None = None
+    """How the objective improves. None: the metric's default, ``maximize`` for a name holding the word reward,
+    rewards, accuracy or acc (and not loss), else ``minimize``. A plain loop's ``gate.run(step, loss=...)`` reads
+    its value in this direction."""
+
+    def _validate(self, prefix: str) -> None:
+        if self.metric is not None and not self.metric.strip():
+            raise ConfigError(f"'{prefix}metric' must name a metric or be null (the integration's default), "
+                              f"got {self.metric!r}")
+
+    def direction_for(self, metric: str | None) -> str:
+        """The direction of the objective read from ``metric`` (the configured one, else the metric's default).
+
+        >>> ObjectiveConfig().direction_for("eval_reward"), ObjectiveConfig(direction="minimize").direction_for("eval_reward")
+        ('maximize', 'minimize')
+        """
+        return self.direction or default_direction(metric or self.metric)
 
 
 @dataclass
@@ -434,6 +485,7 @@ class AtlasConfig:
     receipts: ReceiptsConfig = field(default_factory=ReceiptsConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

@@ -252,7 +252,8 @@ class Summary(TypedDict, total=False):
     v2_c2_pass_layers: Annotated[int, Metric()]
     """Routed layers whose V2 C2 axis passes."""
     loss: Annotated[float | None, Metric()]
-    """The training framework's validation loss at this gate (not a receipt; None when none was logged)."""
+    """The gate's objective at this gate: the training framework's validation loss, or the metric ``objective`` names
+    (``loss_key``, read in ``objective_direction``); not a receipt; None when none was logged."""
     ov_cf_terminal_jump: Annotated[float | None, Metric()]
     """The terminal routed layer's ov_cf minus the mean of the band before it."""
     ov_cf_adjacent_jump: Annotated[float | None, Metric()]
@@ -416,6 +417,9 @@ class Gate(TypedDict, total=False):
     """An early gate: the alarm that asked for it; a scheduled gate while one was asked for: that it answers it."""
     loss_key: str | None
     """The metric the gate's ``loss`` was read from (None: no loss, as at an early gate between validations)."""
+    objective_direction: str
+    """How the gate's ``loss`` improves: ``minimize`` or ``maximize`` (a reward; ``objective.direction``). The loss
+    trend, replay and the judge read each record in its own direction; a record without one is minimised."""
     kind: str
     """Evaluation gates only (``evaluations.jsonl``): validate | test."""
     num_experts: int | None

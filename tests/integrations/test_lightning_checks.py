@@ -114,6 +114,21 @@ def test_missing_loss_key_is_a_warning_naming_the_metrics_never_the_training_los
     assert _records(named)[-1]["loss"] == pytest.approx(float(trainer.callback_metrics["val_ce"]))
 
 
+def test_a_named_metric_the_validation_did_not_log_fails_the_gate_and_training_goes_on(tmp_path):
+    train, val = tiny_data(20)
+    cb = AtlasCallback(canary=tiny_canary(), config={**QUIET, "objective": {"metric": "val_acc"}})
+    with pytest.warns(UserWarning, match=r"atlas gate at step 10 failed and was skipped: MissingObjectiveError: the "
+                                         r"objective 'val_acc' is not among the metrics the validation logged "
+                                         r"\[train_loss, val_ce\]"):
+        trainer = _trainer(tmp_path, 20, [cb])
+        trainer.fit(_val_ce(), train, val)
+    assert trainer.global_step == 20 and [r["step"] for r in _records(tmp_path)] == [0]
+    assert _records(tmp_path)[0]["objective_direction"] == "maximize"  # val_acc: an accuracy, maximised
+    errors = _records(tmp_path, "errors.jsonl")
+    assert [e["step"] for e in errors] == [10, 20] and [e["alerts"][0]["level"] for e in errors] == ["ERROR"] * 2
+    assert "[train_loss, val_ce]" in errors[0]["error"]
+
+
 def test_validate_and_test_run_a_gate_outside_the_history(tmp_path):
     train, val = tiny_data(20)
     cb = AtlasCallback(canary=tiny_canary(), config=POST_TRAINING, loss_key=None)

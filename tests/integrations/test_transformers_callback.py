@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from atlas_tracking.integrations.transformers import TRAINER_STEP_KEY, AtlasTrainerCallback
+from atlas_tracking.integrations.transformers import TRAINER_STEP_KEY, AtlasTrainerCallback, surrogate_loss
 from atlas_tracking.integrations.wandb_workspace import build_workspace, logged_keys, workspace_sections
 from mlflow.tracking import MlflowClient
 from transformers import Trainer
 
-from atlas_tracking import Canary, CanaryError, NoRoutedLayersError
+from atlas_tracking import Canary, CanaryError, ConfigError, NoRoutedLayersError
 from atlas_tracking.testing.trainer import (
     POST_TRAINING,
     finish_trackers,
@@ -249,6 +249,33 @@ def test_missing_eval_loss_is_a_warning_naming_the_metrics(tmp_path):
         trainer.train()
     recs = records(out)
     assert [r["step"] for r in recs] == [0, 2, 4] and all(r["loss"] is None for r in recs)
+
+
+def test_a_named_metric_the_evaluation_did_not_log_fails_the_gate_and_training_goes_on(tmp_path):
+    out = tmp_path / "out"
+    train, val = tiny_sets(4)
+    cfg = {**POST_TRAINING, "objective": {"metric": "eval_reward"}}
+    trainer = Trainer(tiny_model(), args=trainer_args(out, 4, eval_steps=2), train_dataset=train, eval_dataset=val,
+                      callbacks=[AtlasTrainerCallback(canary=tiny_canary(), config=cfg)])
+    with pytest.warns(UserWarning, match=r"atlas gate at step 2 failed and was skipped: MissingObjectiveError: the "
+                                         r"objective 'eval_reward' is not among the metrics the evaluation logged "
+                                         r"\[epoch, eval_loss, eval_runtime, "):
+        trainer.train()
+    assert trainer.state.global_step == 4 and [r["step"] for r in records(out)] == [0]
+    errors = records(out, "errors.jsonl")
+    assert [e["step"] for e in errors] == [2, 4] and [e["alerts"][0]["level"] for e in errors] == ["ERROR"] * 2
+    with pytest.raises(ConfigError, match=r"loss_key 'eval_loss' and 'objective.metric' 'eval_reward' name different"):
+        AtlasTrainerCallback(canary=tiny_canary(), config=cfg, loss_key="eval_loss")
+
+
+def test_trls_surrogate_loss_trainers_read_the_mean_reward():
+    from trl import GRPOConfig, RLOOConfig, SFTConfig
+    from trl.experimental.gmpo import GMPOConfig
+
+    args = {"output_dir": "unused", "use_cpu": True, "bf16": False}
+    assert [surrogate_loss(cls(**args)) for cls in (GRPOConfig, RLOOConfig, GMPOConfig, SFTConfig)] == [
+        True, True, True, False]
+    assert surrogate_loss(trainer_args(Path("unused"), 1)) is False
 
 
 def test_failing_gate_never_stops_training(tmp_path):
