@@ -123,3 +123,26 @@ def generated_rollouts(model: nn.Module, layers: list[RoutedLayer], hand: Callab
             del model.generate  # the class's method is the model's own again
         else:
             model.generate = own
+
+
+def trainer_rollouts(args: Any, state: Any, model: nn.Module, gate: Any,
+                     warn: Callable[[str], None]) -> contextlib.AbstractContextManager:
+    """For a transformers Trainer whose rollouts come from the policy's own ``generate`` (TRL's GRPOTrainer and
+    RLOOTrainer without vLLM): every training-mode generation is handed to ``gate.rollout`` at the optimizer step it
+    serves (``state.global_step + 1``). Nothing when the gate measures no rollouts; a warning when TRL generates with
+    vLLM, whose generation path does not return the routed experts (hand them over from your own loop then)."""
+    if gate.rollouts is None or not callable(getattr(model, "generate", None)):
+        return contextlib.nullcontext()
+    if getattr(args, "use_vllm", False):
+        warn("atlas: the trainer generates its rollouts with vLLM, whose TRL generation path does not return the "
+             "routed experts: no rollout agreement is measured (a loop that has them calls gate.rollout; "
+             "docs/rollout.md#grpotrainer)")
+        return contextlib.nullcontext()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def hand(sequences: torch.Tensor, routed: torch.Tensor, mask: torch.Tensor) -> None:
+        step = int(state.global_step) + 1
+        gate.rollout(step, sequences, routed, mask, log_step=step)
+
+    return generated_rollouts(model, gate.layers, hand, eos)

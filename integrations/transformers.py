@@ -33,6 +33,7 @@ Usage (a sketch; ``tests/integrations/test_transformers_callback.py`` runs it in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from atlas_tracking.integrations.generate_rollouts import trainer_rollouts
 from atlas_tracking.integrations.mlflow import MlflowSink
 from atlas_tracking.integrations.wandb import WandbSink
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -230,6 +232,9 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         self.gates = ValidationGates(warn=_warn, source=self.losses)
         self._canary_file = str(canary) if isinstance(canary, (str, Path)) else None
         self._training = False
+        self._rollouts = contextlib.ExitStack()
+        """The policy's ``generate`` read while training (:func:`~atlas_tracking.integrations.generate_rollouts.
+        trainer_rollouts`), given back at the end of training."""
         self._round_step = -1
         self._round: dict[str, float] | None = None
         """Metrics of the evaluations at ``_round_step`` while their gate is due and not yet run."""
@@ -280,6 +285,8 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         self.gates.load_state_dict(restored)
         self._round_step, self._round = -1, None
         self.gates.start(int(state.global_step))
+        if surrogate_loss(args):  # rollouts from the policy's own generate: each one handed to the gate
+            self._rollouts.enter_context(trainer_rollouts(args, state, model, self.gates.gate, _warn))
         self._keep_canary()
         # The Trainer updates every stateful callback's entry when it saves and fails on a missing one
         # (a run resumed from a checkpoint written without this callback).
@@ -364,6 +371,7 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         self._flush()
         self.gates.early(int(state.global_step))
         self._training = False
+        self._rollouts.close()
         self.gates.finish()
 
     # --- checkpointed state (ExportableState) ----------------------------------------------

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer with the Trainer callback on the CPU: the gate's objective is the mean reward, maximised, never
-GRPO's surrogate ``eval_loss``; a reward that rises reads ``improving``. The callback's W&B offline files are read back
-with wandb's own records and its MLflow run from a real ``mlflow server`` on 127.0.0.1 (sqlite)."""
+GRPO's surrogate ``eval_loss``; a reward that rises reads ``improving``; every rollout the policy generates is handed to
+the gate (``rollout.jsonl``, ``atlas/rollout/...``). The callback's W&B offline files are read back with wandb's own
+records and its MLflow run from a real ``mlflow server`` on 127.0.0.1 (sqlite)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,17 @@ def test_grpo_fit_reads_its_rising_reward_as_improving_on_every_tracker(tmp_path
     as_loss = [{**r, "objective_direction": "minimize"} for r in recs]
     assert {d["loss_trend"] for d in replay(as_loss)[2:]} == {"stalling"}
 
+    # every rollout the policy generated in training was handed to the gate: one line per optimizer step
+    rollouts = records(out, "rollout.jsonl")
+    assert [line["step"] for line in rollouts] == list(range(1, STEPS + 1))
+    assert all(row["tokens"] > 0 and row["fallback"] == 0 for line in rollouts for row in line["layers"])
+    assert all(line["layer_axis"] == "routed" and not line["replayed"] for line in rollouts)
+
     (run,) = wandb_runs(tmp_path)
+    rollout_rows = [row for row in run["history"] if "atlas/rollout/mismatch_max" in row]
+    assert [row[TRAINER_STEP_KEY] for row in rollout_rows] == list(range(1, STEPS + 1))
+    assert [row["atlas/rollout/mismatch_max"] for row in rollout_rows] == [
+        max(row["mismatch"] for row in line["layers"]) for line in rollouts]
     atlas_rows = [row for row in run["history"] if "atlas/c2" in row]
     assert [row[TRAINER_STEP_KEY] for row in atlas_rows] == [0, *steps]
     assert [row["atlas/loss"] for row in atlas_rows[1:]] == values
@@ -116,6 +127,8 @@ def test_grpo_fit_reads_its_rising_reward_as_improving_on_every_tracker(tmp_path
     assert [(m.step, m.value) for m in history] == list(zip(steps, values))
     assert {m.step: m.value for m in client.get_metric_history(ml.info.run_id, "eval_reward")} == rewards
     assert ml.data.tags["atlas.stage"] == recs[-1]["stage"]
+    mismatch = client.get_metric_history(ml.info.run_id, "atlas/rollout/mismatch_mean")
+    assert sorted(m.step for m in mismatch) == list(range(1, STEPS + 1))
     for rec in recs[1:]:
         path = client.download_artifacts(ml.info.run_id, f"atlas/gates/step_{rec['step']:08d}.json", str(tmp_path))
         saved = json.loads(Path(path).read_text())
