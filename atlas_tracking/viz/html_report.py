@@ -9,7 +9,8 @@ from the baseline to the last gate, the last gate's layers x experts load heatma
 per-layer C2 of the last gate grouped early / protected / late (figure 5;
 the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
 baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
-gate. A run with ``load.jsonl`` also gets the training-batch load between gates (:func:`load_section`). For a
+gate. A run with ``load.jsonl`` also gets the training-batch load between gates (:func:`load_section`), a run with
+``rollout.jsonl`` the rollout agreement of a reinforcement-learning loop (:func:`rollout_section`). For a
 receipts artifact: the per-layer table (near-tie mass included) and C2 bars. Figures are embedded as base64 PNG;
 the page loads nothing from the network. Needs matplotlib (``pip install 'atlas-tracking[report]'``).
 """
@@ -30,6 +31,7 @@ from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.artifacts.receipts_file import FORMS
 from atlas_tracking.artifacts.record import finite_number
+from atlas_tracking.artifacts.rollout_record import read_rollout
 from atlas_tracking.receipts.param_drift import drift_line
 from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.schema.artifacts import ERRORS
@@ -47,6 +49,7 @@ from atlas_tracking.viz.figures import (
     fig_train_load,
     png_bytes,
 )
+from atlas_tracking.viz.rollout import LAYER_HEADER, fig_rollout, first_mismatch_rows, layer_rows
 from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
 from atlas_tracking.viz.train_load import load_view
 
@@ -280,10 +283,58 @@ def load_section(lines: list[dict[str, Any]], recs: list[dict[str, Any]]) -> tup
     return text, figures
 
 
+ROLLOUT_NOTE = ("Per routed layer, the share of token positions the trainer's forward routed to another set of experts "
+                "than the rollout engine did (mismatch), over the positions compared at each recorded step; the "
+                "near-tie mass is the share whose trainer routing lies within that precision's rounding of a tie; "
+                "fallback counts rollout routes that could not be replayed (docs/rollout.md#what-is-measured).")
+"""What the report says above the rollout-agreement figure."""
+
+
+def _logprob_text(lines: list[dict[str, Any]]) -> str:
+    """The log-probabilities' mean absolute difference and k3 at the last step and averaged over the steps that
+    have them; empty when no step has them."""
+    rows = [line["logprobs"] for line in lines if (line.get("logprobs") or {}).get("tokens")]
+    if not rows:
+        return ""
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in rows) / len(rows)
+
+    return (f"<p>Log-probabilities of the rollout's tokens ({len(rows)} step(s)): mean absolute difference "
+            f"{rows[-1]['abs_diff_mean']:.4g} at the last step ({mean('abs_diff_mean'):.4g} over the steps), k3 "
+            f"{rows[-1]['k3']:.4g} ({mean('k3'):.4g}).</p>")
+
+
+def rollout_section(lines: list[dict[str, Any]]) -> tuple[str, dict[str, bytes]]:
+    """The report's section on the rollout agreement of a reinforcement-learning loop (docs/rollout.md) for a run's
+    ``rollout.jsonl``: mismatch and bf16 near-tie mass per layer over the recorded steps, a per-layer table (mean
+    and last mismatch, Jaccard, near-tie mass, fallback), the first-mismatch-layer counts, the log-probabilities'
+    difference and the alerts; empty without a recorded step."""
+    if not lines:
+        return "", {}
+    figures = {"rollout_agreement.png": png_bytes(fig_rollout(lines))}
+    replayed = {bool(line.get("replayed")) for line in lines}
+    replay = {frozenset([True]): "replayed", frozenset([False]): "not replayed"}.get(frozenset(replayed), "mixed")
+    alerts = "".join(f"<li>step {line['step']} ({html.escape(str(a['level']))}): <b>{html.escape(str(a['title']))}"
+                     f"</b> {html.escape(str(a['text']))}</li>" for line in lines for a in line.get("alerts") or [])
+    text = f"""<h2>Rollout agreement</h2>
+<p>{len(lines)} recorded step(s), steps {lines[0]['step']}-{lines[-1]['step']}, {lines[-1].get('tokens')} token \
+positions at the last; routes {replay} in the update (rollout.jsonl; docs/rollout.md).</p>
+<p>{html.escape(ROLLOUT_NOTE)}</p>
+{_img(figures['rollout_agreement.png'], 'rollout agreement: mismatch per layer over steps')}
+{_table(LAYER_HEADER, layer_rows(lines))}
+<h3>First differing layer (token positions, every step)</h3>
+{_table(['first differing layer', 'positions', 'share'], first_mismatch_rows(lines))}
+{_logprob_text(lines)}<h3>Rollout alerts (raised: WARN; cleared: INFO)</h3>\
+{f'<ul class="rollout-alerts">{alerts}</ul>' if alerts else '<p>No recorded step raised an alert.</p>'}
+"""
+    return text, figures
+
+
 def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, Any]] = (),
-             load: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
-    """The HTML page and its figures for a run's gate records, its failed gates (``errors.jsonl``) and its
-    training-batch load intervals (``load.jsonl``)."""
+             load: list[dict[str, Any]] = (), rollout: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
+    """The HTML page and its figures for a run's gate records, its failed gates (``errors.jsonl``), its
+    training-batch load intervals (``load.jsonl``) and its rollout agreement (``rollout.jsonl``)."""
     last = recs[-1]
     figures = {
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
@@ -314,6 +365,8 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
     unlicensed = "".join(f"<li>{html.escape(c)}</li>" for c in last.get("unlicensed", []))
     load_html, load_figures = load_section(list(load), recs)
     figures.update(load_figures)
+    rollout_html, rollout_figures = rollout_section(list(rollout))
+    figures.update(rollout_figures)
     body = f"""<h1>{html.escape(title)}</h1>
 {opening(last, list(failures))}
 <p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
@@ -323,7 +376,7 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
 {occupancy_table(recs)}
 <h2>Expert load (last gate)</h2>{_img(figures['expert_load.png'], 'expert load: layers x experts')}
 <p>{html.escape(expert_text(last.get('layers', [])))}</p>
-{load_html}<h2>Per-layer C2 (last gate)</h2>{layer_c2}
+{load_html}{rollout_html}<h2>Per-layer C2 (last gate)</h2>{layer_c2}
 <h2>C2: layers x gates</h2>{heatmap}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
 sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
@@ -368,7 +421,8 @@ def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None
     else:
         errors = gates_file(source).with_name(ERRORS)
         page, figures = run_page(read_history(source), f"atlas run: {source.name}",
-                                 read_lines(errors) if errors.is_file() else [], read_load(errors.parent))
+                                 read_lines(errors) if errors.is_file() else [], read_load(errors.parent),
+                                 read_rollout(errors.parent))
     if png_dir is not None:
         png_dir = Path(png_dir)
         png_dir.mkdir(parents=True, exist_ok=True)
