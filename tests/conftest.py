@@ -35,3 +35,14 @@ def load_script(relative: str) -> ModuleType:
 def script() -> Callable[[str], ModuleType]:
     """``script("examples/megatron_loop.py")``: a repository script as a module."""
     return load_script
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store under ``tmp_path``, stopped after the test."""
+    from atlas_tracking.testing.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow")
+    server.start()
+    yield server
+    server.stop()

@@ -13,7 +13,6 @@ import pytest
 from atlas_tracking.integrations.transformers import TRAINER_STEP_KEY, AtlasTrainerCallback
 
 from atlas_tracking.decisions.replay import replay
-from atlas_tracking.testing.mlflow_server import MlflowServer
 from atlas_tracking.testing.tiny import POST_TRAINING, tiny_canary
 from atlas_tracking.testing.trainer import finish_trackers, records, tiny_model, wandb_runs
 
@@ -58,14 +57,6 @@ def expected_trends(values: list[float], window: int = 2) -> list[str]:
     higher than the value ``window`` gates back (or the first) and not lower than the previous one."""
     return [("improving" if v > values[max(0, i - window)] and v >= values[i - 1] else "stalling")
             for i, v in enumerate(values) if i > 0]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    server = MlflowServer(tmp_path / "mlflow")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import pytest
 from atlas_tracking.integrations.lightning import AtlasCallback
 
 from atlas_tracking.artifacts.record import gate_metrics
-from atlas_tracking.testing.mlflow_server import MlflowServer
 from atlas_tracking.testing.tiny import QUIET, tiny_canary, tiny_data, tiny_module
 
 STRICT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
@@ -112,14 +111,6 @@ def test_wandb_failure_does_not_stop_training_and_is_warned(tmp_path):
 
 
 # --- MLflow ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    server = MlflowServer(tmp_path / "mlflow")
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_mlflow_server_fit_metrics_tags_artifacts(tmp_path, mlflow_server):
