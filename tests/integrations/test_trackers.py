@@ -221,7 +221,8 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
                "atlas/margin", "atlas/ov_cf", "atlas/transition_incompat", "atlas/canary_nll",
                "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code",
                "atlas/gate_seconds", "atlas/ov_cf_terminal_jump", "atlas/ov_cf_adjacent_jump",
-               "atlas/ov_cf_cliff_off_terminal"]
+               "atlas/ov_cf_cliff_off_terminal", "atlas/near_tie_bf16", "atlas/near_tie_bf16_max", "atlas/near_tie_fp16",
+               "atlas/near_tie_fp16_max"]
     baseline_keys = sorted(summary + layer_keys)
     drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin", "atlas/kl_base",
                                          "atlas/canary_nll_delta"]
