@@ -58,6 +58,8 @@ from atlas_tracking.decisions.policy import GatePolicy, GateSummary
 from atlas_tracking.decisions.protection import for_gate, record_fields
 from atlas_tracking.engine.anchors import AnchorPlan
 from atlas_tracking.engine.canary import Canary, check_canary_fits
+from atlas_tracking.engine.collectives import bounded_gate
+from atlas_tracking.engine.collectives import from_rank_zero as _from_rank_zero
 from atlas_tracking.engine.measure import ForwardFn, anchor_storage, default_forward, measure
 from atlas_tracking.engine.param_reference import ParamDriftError, ParamReference
 from atlas_tracking.rollouts import Rollouts
@@ -76,15 +78,6 @@ def _distributed() -> bool:
 
 def _is_rank_zero() -> bool:
     return not _distributed() or torch.distributed.get_rank() == 0
-
-
-def _from_rank_zero(obj: Any) -> Any:
-    """Rank zero's ``obj`` on every rank (collective under ``torch.distributed``)."""
-    if not _distributed() or torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _no_progress(done: int, total: int) -> None:
@@ -276,6 +269,7 @@ class AtlasGate:
                 self.baseline = None
 
     # --- one gate ----------------------------------------------------------------------------
+    @bounded_gate
     def run(self, step: int, loss: float | None = None, *, log_step: int | None = None, trigger: str = "validation",
             loss_key: str | None = None, direction: str | None = None) -> dict[str, Any]:
         """Measure, read and deliver one gate; returns the gate record.
@@ -349,6 +343,7 @@ class AtlasGate:
         return record
 
     # --- between gates (atlas_tracking/telemetry.py) -----------------------------------------------
+    @bounded_gate
     def step(self, step: int, *, loss: float | None = None, log_step: int | None = None,
              early: bool = True) -> dict[str, Any] | None:
         """An optimizer step has ended (call it on every rank, after any gate of this step): the training-batch
@@ -374,6 +369,7 @@ class AtlasGate:
     def _writer(self) -> Writer | None:
         return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery) if _is_rank_zero() else None
 
+    @bounded_gate
     def rollout(self, step: int, input_ids: Any, routed_experts: Any, attention_mask: Any = None,
                 **options: Any) -> dict[str, Any] | None:
         """A reinforcement-learning loop hands over the batch it trains on at ``step`` and the routed experts its
@@ -519,6 +515,7 @@ class AtlasGate:
         self.delivery.alert(event)
         return line
 
+    @bounded_gate
     def evaluate(self, step: int, loss: float | None = None, kind: str = "validate", *, loss_key: str | None = None,
                  direction: str | None = None) -> dict[str, Any]:
         """A gate outside the training history (``trainer.validate()`` / ``trainer.test()``).
@@ -545,6 +542,7 @@ class AtlasGate:
         return record
 
     # --- restart -----------------------------------------------------------------------------
+    @bounded_gate
     def resume(self, step: int, state: dict[str, Any]) -> dict[str, int]:
         """Continue a run from a training state saved by :meth:`state_dict`, restored at ``step``.
 

@@ -43,6 +43,7 @@ from atlas_tracking.engine.capture import (
     merge_hosts,
     spool_collected,
 )
+from atlas_tracking.engine.collectives import checkpoint
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.receipts.kl import base_topk, window_kl
@@ -146,6 +147,7 @@ def check_ranks_agree(canary: Canary, config: AtlasConfig, world_size: int) -> N
     process raises the same :class:`RankDisagreementError` (before any forward call, so nothing hangs)."""
     mine = {"canary": canary.fingerprint, "batch_windows": config.receipts.batch_windows}
     everyone: list[Any] = [None] * world_size
+    checkpoint("the canary check")
     torch.distributed.all_gather_object(everyone, mine)
     for key in mine:
         values = [o[key] for o in everyone]
@@ -264,6 +266,7 @@ def _gather(partial: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     if world_size == 1:
         return [partial]
     out: list[Any] = [None] * world_size
+    checkpoint("the gather of the receipts")
     torch.distributed.all_gather_object(out, partial)
     return out
 

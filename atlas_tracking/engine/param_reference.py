@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.engine.collectives import checkpoint
 from atlas_tracking.receipts.param_drift import GROUPS, summarize, tensor_sums
 
 EMBEDDING_PARTS = {"embed_tokens", "wte", "wpe", "lm_head", "word_embeddings", "position_embeddings",
@@ -217,6 +218,7 @@ def _replicas_and_bytes(parts: dict[str, tuple[torch.Tensor, tuple[Any, ...]]],
                         dtype=torch.float64)
     device = collective_device()
     everyone = [torch.zeros_like(mine, device=device) for _ in range(torch.distributed.get_world_size())]
+    checkpoint("the parameter reference's replica check")
     torch.distributed.all_gather(everyone, mine.to(device))
     rows = torch.stack(everyone).cpu()
     replicas = bool(plain) and bool((rows[:, :5] == rows[0, :5]).all())
@@ -314,6 +316,7 @@ def _all_reduce(sums: np.ndarray, groups: tuple[Any, ...]) -> np.ndarray:
     if not groups:
         return sums
     t = torch.from_numpy(sums).to(collective_device())
+    checkpoint("the parameter drift's sums")
     for group in groups:
         torch.distributed.all_reduce(t, group=group)
     return t.cpu().numpy()

@@ -39,6 +39,7 @@ from torch import nn
 
 from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.adapters.base import RoutedLayer
+from atlas_tracking.engine.collectives import checkpoint
 from atlas_tracking.engine.param_reference import collective_device
 from atlas_tracking.engine.route_counts import not_counted
 from atlas_tracking.receipts.rollout import (
@@ -303,6 +304,7 @@ def _summed(values: list[float], across: bool) -> list[float]:
     if not (across and _all_processes()):
         return values
     vector = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    checkpoint("the rollout sums")
     torch.distributed.all_reduce(vector)
     return vector.cpu().tolist()
 
@@ -312,6 +314,7 @@ def _gathered(gaps: list[np.ndarray], across: bool) -> list[np.ndarray]:
     if not (across and _all_processes()):
         return gaps
     every: list[Any] = [None] * torch.distributed.get_world_size()
+    checkpoint("the rollout gaps")
     torch.distributed.all_gather_object(every, [g.tolist() for g in gaps])
     return [np.asarray([v for part in every for v in part[i]], dtype=np.float64) for i in range(len(gaps))]
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from atlas_tracking.adapters.base import RouteCount, RoutedLayer
+from atlas_tracking.engine.collectives import checkpoint
 from atlas_tracking.engine.param_reference import collective_device
 
 log = logging.getLogger("atlas_tracking")
@@ -241,6 +242,7 @@ class RouteCounter:
         every = [mine]
         if _distributed() and torch.distributed.get_world_size() > 1:
             every = [None] * torch.distributed.get_world_size()
+            checkpoint("the routed-layer table")
             torch.distributed.all_gather_object(every, mine)
         rows: dict[tuple[int, int], TableRow] = {}
         for held in every:
@@ -300,6 +302,7 @@ class RouteCounter:
                 received = torch.zeros(world, dtype=torch.int64, device=kept.device)
                 stack[i, 2 * width + extra:] = received.index_add_(0, owners.to(kept.device), kept).to(device)
         if distributed:
+            checkpoint("the training-batch load")
             torch.distributed.all_reduce(stack)
         host = stack.cpu().tolist()
         layers = []

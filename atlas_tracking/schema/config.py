@@ -344,6 +344,12 @@ class GateConfig:
     """At the end of training, how long to wait at most for the trackers to receive the gates still queued
     (tracker calls run off the training thread; a call already running this long is not waited for). Gates
     not delivered by then stay in the local record and are reported per tracker (docs/trackers.md)."""
+    collective_timeout_s: float = 300.0
+    """Under ``torch.distributed``, how long every collective a gate makes waits at most for the other processes
+    (5 minutes, well under the process group's own 30 minutes under gloo): before each one the processes meet
+    at a monitored barrier on a side gloo group, and a process that does not arrive in time (stopped, or gone)
+    fails the gate on every process that can still speak with an ERROR naming it and the gate's step
+    (docs/distributed.md#a-stalled-or-dead-rank)."""
     keep_baselines: int = 2
     """Retention: how many of the history's latest baselines stay on disk (2: the current reference and the one
     before it). The post-training base, a handoff reference in the run directory and pinned steps always stay
@@ -379,6 +385,8 @@ class GateConfig:
             raise ConfigError(f"'{prefix}keep_green_checkpoints' must be >= 1, got {self.keep_green_checkpoints!r}")
         if self.delivery_wait_s < 0:
             raise ConfigError(f"'{prefix}delivery_wait_s' must be >= 0, got {self.delivery_wait_s!r}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"'{prefix}collective_timeout_s' must be > 0, got {self.collective_timeout_s!r}")
 
 
 @dataclass

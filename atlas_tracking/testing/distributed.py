@@ -2,7 +2,8 @@
 
 ``run_workers(fn, world, *args)`` starts ``world`` processes in a fresh gloo group on 127.0.0.1 (one torch
 thread each unless ``threads`` says otherwise; None keeps torch's default), calls ``fn(rank, world, *args)``
-in each, and returns their JSON-able results in rank order. A worker that raises
+in each, and returns their JSON-able results in rank order (None for a rank in ``lost``, one that may leave
+without a result: a test's process that exits on purpose). A worker that raises
 fails the caller with its traceback; workers still running after ``timeout`` seconds (a collective mismatch
 hangs) are killed and the caller gets a ``TimeoutError``.
 """
@@ -60,7 +61,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
 
 
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
-                threads: int | None = 1) -> list[Any]:
+                threads: int | None = 1, lost: tuple[int, ...] = ()) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo processes; their results in rank order."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world, free_port(), out, args, threads), nprocs=world, join=False,
@@ -72,4 +73,5 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
                     if p.is_alive():
                         p.kill()
                 raise TimeoutError(f"{world} worker processes of {fn.__name__} still running after {timeout:.0f} s")
-        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+        return [None if r in lost and not Path(out, f"{r}.json").exists() else
+                json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]

@@ -56,3 +56,10 @@ def test_telemetry_section_from_yaml(tmp_path):
     path.write_text("telemetry:\n  cv_rise: .nan\n")
     with pytest.raises(ConfigError, match=r"'telemetry\.cv_rise' must be > 0, got nan"):
         AtlasConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_collective_timeout_must_be_positive(value):
+    assert AtlasConfig.from_dict({}).gate.collective_timeout_s == 300.0  # well under gloo's own 30 minutes
+    with pytest.raises(ConfigError, match=r"'gate\.collective_timeout_s' must be > 0, got"):
+        AtlasConfig.from_dict({"gate": {"collective_timeout_s": value}})
