@@ -174,6 +174,21 @@ class RoutedLayer:
         beta = self.beta()
         return g if beta is None else g + beta
 
+    def router_rows(self) -> torch.Tensor | None:
+        """``[E, d]`` the router's row of each routed expert in gate-input space (``logit_e = w_e . g + b_e``), fp32:
+        the first E rows of the router's one two-dimensional parameter of width d (routers that also score shared
+        experts hold them after the routed ones); None where the router holds no such parameter, or more than one
+        (docs/receipts.md#router-expert-coupling).
+
+        >>> class Bare(RoutedLayer):
+        ...     num_experts = 3   # an adapter knows its experts
+        >>> Bare("b", 0, nn.Identity(), nn.RMSNorm(4), nn.Linear(4, 3, bias=False), nn.Identity()).router_rows().shape
+        torch.Size([3, 4])
+        """
+        d, e = self.hidden_size, self.num_experts
+        found = [p for _, p in self.router.named_parameters() if p.dim() == 2 and p.shape[1] == d and p.shape[0] >= e]
+        return found[0][:e].detach().float() if len(found) == 1 else None
+
     # --- routing ---------------------------------------------------------------------------
     def routing(self, router_output: Any, g: torch.Tensor) -> Routing:
         """Turn the router's own forward output for gate inputs ``g [N, d]`` into a :class:`Routing`."""

@@ -27,6 +27,7 @@ from threadpoolctl import ThreadpoolController
 
 from atlas_tracking.artifacts.io import jsonable
 from atlas_tracking.receipts.cliff import TERMINAL_BAND, terminal_cliff
+from atlas_tracking.receipts.coupling import COMOVE_PARTS, comovement_receipts
 from atlas_tracking.receipts.lifecycle import handoff_margin, refine_margin
 from atlas_tracking.receipts.paired import occupancy_samples
 from atlas_tracking.receipts.state1 import boundary_count
@@ -155,6 +156,8 @@ def derive_drift(
             diff = now - occ["base"][key]
             entry[f"{key}_delta"] = float(diff[0])
             ci[f"{key}_delta"] = list(percentile_ci(diff[1:], level))
+        if "comove" in lpw:
+            entry.update(_comovement(lpw["comove"]))
         entry["ci"] = ci
         out_layers.append(entry)
     protected = [layer["ordinal"] for layer in layers if layer["protected"]]
@@ -169,6 +172,7 @@ def derive_drift(
     r_ci = _refine_ci(per_window, "drift_base" if refine_drift else "drift", refine_ref, protected, lc, n_tokens,
                       idx, level)
     summary_deltas = _summary_occupancy_deltas(occ_samples, level)
+    summary_deltas.update(_comovement_summary(out_layers))
     summary_deltas.update(_base_damage(per_window, base_pw, idx, level))
     if base is not None:
         summary_deltas.update(_cumulative_damage(per_window, base, summary_deltas, idx, level))
@@ -189,6 +193,27 @@ def derive_drift(
             **({"base": base} if base is not None else {}),
         }
     )
+
+
+def _comovement(comove: dict[str, Any]) -> dict[str, Any]:
+    """A layer's co-movement against the baseline from its per-expert sums, or why it has none
+    (docs/receipts.md#co-movement)."""
+    if "absent" in comove:
+        return {"comove_absent": comove["absent"]}
+    return comovement_receipts(comove)
+
+
+def _comovement_summary(out_layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across the routed layers: the mean of the layers' co-movement medians and shares against, the experts compared
+    and the experts whose router row did not move (None and 0 where no layer compared any)."""
+    out: dict[str, Any] = {}
+    for part in COMOVE_PARTS:
+        for key in (f"comove_{part}", f"comove_{part}_against"):
+            vals = [d[key] for d in out_layers if d.get(key) is not None]
+            out[key] = float(np.mean(vals)) if vals else None
+    out["comove_compared"] = int(sum(d.get("comove_state_compared", 0) for d in out_layers))
+    out["comove_router_still"] = int(sum(d.get("comove_router_still", 0) for d in out_layers))
+    return out
 
 
 def _summary_occupancy_deltas(occ_samples: list[dict[str, Any]], level: float) -> dict[str, Any]:

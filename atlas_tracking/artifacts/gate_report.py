@@ -28,7 +28,7 @@ from atlas_tracking.schema.artifacts import (
     RECEIPTS_KIND,
     RECEIPTS_SCHEMA_VERSION,
 )
-from atlas_tracking.schema.record import DELTA_FIELDS, Margins, fields
+from atlas_tracking.schema.record import COMOVE_FIELDS, DELTA_FIELDS, Margins, fields
 
 
 class ArtifactError(ValueError):
@@ -237,9 +237,9 @@ def _verify_drift(data: dict[str, Any], layers: list[dict[str, Any]]) -> list[st
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return [f"drift per-window arrays are incomplete or malformed: {type(exc).__name__}: {exc}"]
     problems = []
-    for key in (*fields(Margins), *DELTA_FIELDS, *BASE_DAMAGE_KEYS):
-        if key in (*BASE_DAMAGE_KEYS, "refine_reference", "refine_margin_ci") and key not in stored:
-            continue  # an artifact written before base-domain damage and the post-training base were measured
+    for key in (*fields(Margins), *DELTA_FIELDS, *BASE_DAMAGE_KEYS, *COMOVE_FIELDS):
+        if key in (*BASE_DAMAGE_KEYS, *COMOVE_FIELDS, "refine_reference", "refine_margin_ci") and key not in stored:
+            continue  # an artifact written before base-domain damage, the post-training base and co-movement
         if not _close(stored.get(key), fresh[key]):
             problems.append(f"drift: {key} is {stored.get(key)!r}, recomputed {fresh[key]!r}")
     for a, b in zip(stored["layers"], fresh["layers"]):

@@ -29,6 +29,7 @@ from atlas_tracking.receipts.experts import total_loads
 from atlas_tracking.schema.record import (
     BASE_DAMAGE_FIELDS,
     CLIFF_FIELDS,
+    COMOVE_FIELDS,
     DELTA_FIELDS,
     DRIFT_METRICS,
     LAYER_DRIFT_FIELDS,
@@ -109,6 +110,7 @@ def gate_record(
         record.update({k: report.drift[k] for k in fields(Margins)})  # type: ignore[misc]
         record.update({k: report.drift[k] for k in DELTA_FIELDS})  # type: ignore[misc]
         record.update({k: report.drift.get(k) for k in BASE_DAMAGE_FIELDS if k in report.drift})
+        record.update({k: report.drift[k] for k in COMOVE_FIELDS if k in report.drift})
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")
     if baseline_path is not None:
         record["baseline_path"] = baseline_path

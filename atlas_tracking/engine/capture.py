@@ -25,6 +25,7 @@ from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
 from atlas_tracking.receipts.consistency import set_overlap
+from atlas_tracking.receipts.coupling import field_sum, state_rows, unit_rows, window_sums
 from atlas_tracking.receipts.drift import (
     active_set_change,
     content_drift_per_token,
@@ -187,6 +188,8 @@ class FieldReceipts:
     arithmetic and the hidden states' dtype."""
     sampled: tuple[torch.Tensor, ...] = ()
     """The fields of the self-check's sampled tokens (``SelfCheck.sample_groups``), where this micro-batch has them."""
+    field_sum: torch.Tensor | None = None
+    """``[E, d]`` each expert's tangent fields summed over the tokens routed to it (docs/receipts.md#router-expert-coupling)."""
 
 
 @dataclass
@@ -226,6 +229,7 @@ class LayerAccumulator:
         self.arrays["p_mass"] = torch.zeros(w, e, dtype=torch.float32, device=d)
         self.arrays["jump"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
         self.arrays["margin"] = torch.full((w, self.window), float("nan"), dtype=torch.float32, device=d)
+        self.arrays["align_dot"] = torch.zeros(w, e, dtype=torch.float32, device=d)
         self.drift: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """Per reference (``""`` the baseline, ``"base."`` the post-training base): ``[4, W]`` per-window sums of
         the drift functionals over anchors (``DRIFT_RECEIPTS`` order) and ``[6, W]`` counts (anchors counted per
@@ -296,6 +300,11 @@ class LayerCapture:
         """The norm's gain, read inside the forward (where sharded parameters are gathered)."""
         self.beta0: torch.Tensor | None = None
         """A LayerNorm's bias, read with the gain (None: the norm has none)."""
+        self.rows: torch.Tensor | None = None
+        """``[E, d]`` the router's rows in state space, read with the gain (None: the router holds none to read)."""
+        self.coupling: dict[str, torch.Tensor] = {}
+        """``state`` and ``field``: ``[E, d]`` sums over the kept tokens routed to each expert of their angular states
+        and of its tangent fields (docs/receipts.md#router-expert-coupling)."""
         for target, tensors in self.references.items():
             if tensors is not None:
                 acc.enable_drift(target)
@@ -620,6 +629,8 @@ class LayerCapture:
                 s_active, rho, active_fields = (t.gather(1, at) for t in (s_active, rho, active_fields))
                 pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
         rho_fields = rho * active_fields
+        slot_experts = routing.active if handed is None else handed.index
+        f_sum = torch.zeros(self.layer.num_experts, d, device=dev)
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
@@ -631,6 +642,7 @@ class LayerCapture:
             u, z = u_groups[0].float(), zh[t0:t1]
             u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
             v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
+            f_sum += field_sum(v, slot_experts[t0:t1], self.layer.num_experts)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
                                                    cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
             v_k[t0:t1] = v.view(-1, d).index_select(0, torch.arange(0, (t1 - t0) * k, k, device=dev) + pos_k[t0:t1])
@@ -650,7 +662,7 @@ class LayerCapture:
             adj_fields=carries[e_k] & carries[sel.sm.e_k1],
             rand_fields=carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand],
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
-            outs=outs, sampled=tuple(sampled),
+            outs=outs, sampled=tuple(sampled), field_sum=f_sum,
         )
 
     @torch.no_grad()
@@ -667,6 +679,10 @@ class LayerCapture:
             self.gamma0 = layer.gamma().detach().float().cpu()
             beta = layer.beta()
             self.beta0 = None if beta is None else beta.detach().cpu()
+            weight = layer.router_rows()
+            if weight is not None:
+                self.rows = state_rows(weight.to(x.device), layer.gamma().detach().to(x.device),
+                                       layer.norm_type == "layernorm")
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
@@ -709,12 +725,24 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)
+        self._add_coupling(x2, routing.active, fr, rows)
         for a, v_a in zip(anchors, fr.anchors):
             if a.collect:
                 self._collect(a, v_a, g2, in_b)
             else:
                 self._drift(a, v_a, g2, x2)
         return stash
+
+    def _add_coupling(self, x2: torch.Tensor, active: torch.Tensor, fr: FieldReceipts, rows: slice) -> None:
+        """Add one kept micro-batch to the coupling sums: per window the row-state dots, per expert the states and
+        the fields of its routed tokens (docs/receipts.md#router-expert-coupling)."""
+        if self.rows is None:
+            return
+        dot, states = window_sums(self.layer.direction(x2), active, unit_rows(self.rows), self.n_windows)
+        self.acc.arrays["align_dot"][rows] = dot
+        for key, part in (("state", states), ("field", fr.field_sum)):
+            if part is not None:
+                self.coupling[key] = part if key not in self.coupling else self.coupling[key] + part
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``

@@ -31,6 +31,7 @@ from torch import nn
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.artifacts.derivation import derive, derive_drift
 from atlas_tracking.artifacts.gate_report import GateReport, model_fingerprint
+from atlas_tracking.artifacts.handoff_reference import HandoffReference
 from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage, configured_storage
 from atlas_tracking.engine.anchors import AnchorPlan
@@ -44,6 +45,16 @@ from atlas_tracking.engine.capture import (
     spool_collected,
 )
 from atlas_tracking.engine.collectives import checkpoint
+from atlas_tracking.engine.coupling import (
+    NO_ROWS,
+    baseline_means,
+    baseline_tensors,
+    capture_sums,
+    comovement_entry,
+    expert_means,
+    merge,
+    window_entry,
+)
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.receipts.kl import base_topk, window_kl
@@ -259,6 +270,8 @@ def measure_partial(
         "anchors": spool,
         "gamma": [cap.gamma0 for cap in captures],
         "beta": [cap.beta0 for cap in captures],
+        "coupling": [capture_sums(cap.rows, cap.coupling, cap.layer.num_experts, cap.layer.hidden_size)
+                     for cap in captures],
     }
 
 
@@ -298,9 +311,12 @@ def build_report(
     model: nn.Module,
     step: int | None,
     anchors: AnchorPlan | None = None,
+    baseline: Any = None,
 ) -> GateReport:
     """Merge rank partials and derive every receipt (shared with ``verify`` through ``derive``). The partials'
-    anchors (their spools) are joined into the report's, with the norms' gains and the base log-probabilities."""
+    anchors (their spools) are joined into the report's, with the norms' gains, the base log-probabilities and the
+    router rows and expert means co-movement reads later; with a ``baseline``, co-movement's per-expert sums against
+    it (docs/receipts.md#router-expert-coupling)."""
     rcfg = config.receipts
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
@@ -319,6 +335,13 @@ def build_report(
         per_window["kl_base"] = _window_sums(partials, owned, "kl")
     if partials[0].get("klc_sum") is not None:
         per_window["kl_cumulative"] = _window_sums(partials, owned, "klc")
+    means = []
+    for i, (layer, h, pw) in enumerate(zip(layers, merged, per_window["layers"])):
+        sums = merge([p["coupling"][i] for p in partials])
+        pw["alignment"] = {"absent": NO_ROWS} if sums is None else window_entry(h["align_dot"], sums, h["load"])
+        means.append(None if sums is None else expert_means(sums, h["load"].sum(axis=0), layer.zero_experts))
+        if baseline is not None:
+            pw["comove"] = comovement_entry(means[-1], baseline_means(baseline.tensors, i))
     exact = []
     for h in merged:
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
@@ -352,6 +375,8 @@ def build_report(
             for key, norm in (("gamma0", partials[0]["gamma"][i]), ("beta0", partials[0]["beta"][i])):
                 if norm is not None:
                     tensors.add(f"{i}.{key}", 0, norm)
+            for key, vectors in (baseline_tensors(i, means[i]) if means[i] is not None else {}).items():
+                tensors.add(key, 0, vectors)
         kl = merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k)
         for key in KL_TENSORS:
             if key in kl:
@@ -398,7 +423,7 @@ def measure(
     world_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     keep_anchors: bool | None = None,
-    handoff_reference: list[dict[str, Any]] | None = None,
+    handoff_reference: HandoffReference | list[dict[str, Any]] | None = None,
     base: Any = None,
 ) -> GateReport:
     """Run one gate: a no-grad eval forward over the canary with receipts computed in the hooks.
@@ -414,17 +439,19 @@ def measure(
 
     Without a ``baseline`` the gate keeps the anchor tensors a :class:`~atlas_tracking.Baseline`
     is made of (``keep_anchors`` overrides). With one, drift, paired deltas and lifecycle
-    margins are added under ``report.drift``; ``handoff_reference`` (per-layer ``c2`` and
-    ``pi_min``) replaces the baseline as the handoff reference. ``base`` is the post-training base
-    (a :class:`~atlas_tracking.Baseline` kept across resumes): the base damage since it and the refinement
-    margin's occupancy ratio read against it (the baseline itself when ``base`` is the baseline or None).
+    margins are added under ``report.drift``; ``handoff_reference`` (a
+    :class:`~atlas_tracking.artifacts.handoff_reference.HandoffReference`, checked against the model like the
+    baseline, or its per-layer ``c2`` and ``pi_min``) replaces the baseline as the handoff reference. ``base`` is
+    the post-training base (a :class:`~atlas_tracking.Baseline` kept across resumes): the base damage since it and
+    the refinement margin's occupancy ratio read against it (the baseline itself when ``base`` is the baseline or None).
     """
     cfg = AtlasConfig.coerce(config)
     layers = layers if layers is not None else find_routed_layers(model)
     check_canary_fits(model, canary)
-    for ref in (baseline, None if base is baseline else base):
-        if ref is not None:
-            ref.check_compatible([lay.describe() for lay in layers], model_class_name(model), canary.fingerprint)
+    declared = handoff_reference if isinstance(handoff_reference, HandoffReference) else None
+    check_references(model, canary, layers, baseline, None if base is baseline else base, declared)
+    if declared is not None:
+        handoff_reference = declared.layers
     if baseline is not None:
         plan = AnchorPlan(positions=baseline.positions, window=canary.window)
     else:
@@ -439,10 +466,22 @@ def measure(
     partial = measure_partial(model, canary, cfg, layers, rank, world, forward, progress, plan, collect, baseline,
                               since)
     partials = _gather(partial, d_world) if world_size is None else [partial]
-    report = build_report(partials, layers, canary, cfg, model, step, plan)
+    report = build_report(partials, layers, canary, cfg, model, step, plan, baseline)
     if baseline is not None:
         attach_drift(report, baseline, handoff_reference, base)
     return report
+
+
+def check_references(model: nn.Module, canary: Canary, layers: list[RoutedLayer], *references: Any) -> None:
+    """Each of ``references`` (a :class:`~atlas_tracking.Baseline`, a
+    :class:`~atlas_tracking.artifacts.handoff_reference.HandoffReference`, or None) against this model's routed
+    layers (their count, family, experts, top-k, width) and the canary: a mismatch is the reference's error naming
+    the first difference. Every command and API that reads a reference or a baseline checks it here, before
+    anything is measured."""
+    described = [lay.describe() for lay in layers]
+    for ref in references:
+        if ref is not None:
+            ref.check_compatible(described, model_class_name(model), canary.fingerprint)
 
 
 def attach_drift(report: GateReport, baseline: Any, handoff_reference: list[dict[str, Any]] | None = None,

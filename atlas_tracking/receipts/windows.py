@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from atlas_tracking.receipts.coupling import alignment_receipts
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
 from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.receipts.stats import (
@@ -195,6 +196,12 @@ def layer_receipts(
     for key in COUNTERS:
         if key in per_window:
             values[key] = int(np.sum(per_window[key]))
+    if "absent" in per_window.get("alignment", {}):
+        values["alignment_absent"] = per_window["alignment"]["absent"]
+    elif "alignment" in per_window:
+        align, align_cis = alignment_receipts(per_window["alignment"], loads, idx, level)
+        values.update(align)
+        cis.update(align_cis)
     values.update(v2[0])
     cis.update(v2[1])
     return values, cis
@@ -277,6 +284,9 @@ def summary(layers: list[dict[str, Any]], canary_nll: float | None) -> dict[str,
            for name in NEAR_TIE_DTYPES for suffix, reduce in (("", np.mean), ("_max", max))},
         "ov_cf": mean("ov_cf"),
         "transition_incompat": mean("transition_incompat"),
+        "alignment_median": mean("alignment_median"),
+        "alignment_p10_min": min(col("alignment_p10")) if col("alignment_p10") else None,
+        "alignment_negative": mean("alignment_negative"),
         "v2_c1_pass_layers": sum(1 for layer in layers if layer["receipts"].get("v2_c1_pass")),
         "v2_c2_pass_layers": sum(1 for layer in layers if layer["receipts"].get("v2_c2_pass")),
         "canary_nll": canary_nll,

@@ -168,6 +168,19 @@ class LayerReceipts(TypedDict, total=False):
     """Boundary tokens with no eligible random competitor (out of V2 C2)."""
     zero_expert_pairs: int
     """V2 pairs (e_k, e_k1) and (e_k, e_rand) with a zero-computation expert on either side (out of V2)."""
+    alignment: list[float | None]
+    """Per expert, the cosine between its router row (in the state space of the receipts) and the mean angular state
+    of the canary tokens routed to it; None for a dead expert (docs/receipts.md#alignment)."""
+    alignment_median: float | None
+    """Median of ``alignment`` over the experts that have one."""
+    alignment_p10: float | None
+    """Lower decile of ``alignment`` over the experts that have one."""
+    alignment_negative: float | None
+    """Share of the experts with an alignment whose router row points away from their tokens (alignment < 0)."""
+    alignment_dead: list[int]
+    """The experts left out of the alignment figures: no canary token was routed to them."""
+    alignment_absent: str
+    """Why the layer has no alignment (its router holds no rows to read); there only then."""
 
 
 BOUNDARY_MASS_KEY = "boundary_mass@0.01"
@@ -189,6 +202,19 @@ class LayerDrift(TypedDict, total=False):
     """C2 now minus C2 at the baseline (paired on the canary windows)."""
     dead_experts_delta: float
     """Dead experts now minus at the baseline."""
+    comove_state: float | None
+    """Median over the experts of the cosine between the change of the router row and the change of the expert's
+    mean angular state since the baseline (docs/receipts.md#co-movement); None when no expert's row and state moved."""
+    comove_state_against: float | None
+    """Share of the compared experts whose router row moved against their tokens (that cosine < 0)."""
+    comove_field: float | None
+    """As ``comove_state``, with the change of the expert's mean tangent field."""
+    comove_field_against: float | None
+    """Share of the compared experts whose row moved against the change of their mean field."""
+    comove_router_still: int
+    """Experts whose router row did not move at all since the baseline (all of them under a frozen router)."""
+    comove_absent: str
+    """Why the layer has no co-movement (an older baseline, or no router rows); there only then."""
 
 
 class LayerExperts(TypedDict, total=False):
@@ -258,6 +284,12 @@ class Summary(TypedDict, total=False):
     """The terminal routed layer's ov_cf minus the mean of the band before it."""
     ov_cf_adjacent_jump: Annotated[float | None, Metric()]
     """The terminal routed layer's ov_cf minus the layer just before it."""
+    alignment_median: Annotated[float | None, Metric()]
+    """Mean over the routed layers of the median router-row alignment (docs/receipts.md#alignment)."""
+    alignment_p10_min: Annotated[float | None, Metric()]
+    """The lowest per-layer lower decile of the router-row alignment."""
+    alignment_negative: Annotated[float | None, Metric()]
+    """Mean over the routed layers of the share of experts whose router row points away from their tokens."""
 
 
 class Cliff(TypedDict, total=False):
@@ -334,6 +366,23 @@ class BaseDamage(TypedDict, total=False):
     """Canary NLL now minus at the post-training base."""
     canary_nll_delta_cumulative_ci: list[float] | None
     """Paired window-bootstrap CI of ``canary_nll_delta_cumulative``."""
+
+
+class CoMovement(TypedDict, total=False):
+    """Router-expert co-movement against the baseline across the routed layers (docs/receipts.md#co-movement)."""
+
+    comove_state: Annotated[float | None, Metric()]
+    """Mean over the layers of the median cosine between a router row's change and its expert's mean-state change."""
+    comove_state_against: Annotated[float | None, Metric()]
+    """Mean over the layers of the share of compared experts whose row moved against their tokens."""
+    comove_field: Annotated[float | None, Metric()]
+    """Mean over the layers of the median cosine between a router row's change and its expert's mean-field change."""
+    comove_field_against: float | None
+    """Mean over the layers of the share of compared experts whose row moved against their mean field's change."""
+    comove_compared: int
+    """Experts compared over all routed layers (row and mean state both moved)."""
+    comove_router_still: Annotated[int, Metric()]
+    """Experts over all routed layers whose router row did not move since the baseline (a frozen router: all)."""
 
 
 @dataclass
@@ -474,7 +523,7 @@ class Gate(TypedDict, total=False):
     """One entry per routed layer, in forward order."""
 
 
-class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, total=False):
+class GateRecord(Gate, Summary, Cliff, Deltas, Margins, BaseDamage, CoMovement, total=False):
     """One line of ``gates.jsonl``: every section above, flat where the policy reads it, and the fields of
     :class:`GateDecision` (:data:`DECISION_FIELDS`)."""
 
@@ -540,12 +589,13 @@ METRIC_NAMES = {k: v for k, v in metric_fields(Summary).items() if k != v}
 """Tracker names of summaries whose unit is not the per-layer one (CV x 100 against a fraction)."""
 LAYER_METRICS = tuple(metric_fields(LayerRecord))
 """Per-layer receipts logged at every gate (one key per routed layer each)."""
-DRIFT_METRICS = (*metric_fields(Margins), *metric_fields(BaseDamage))
+DRIFT_METRICS = (*metric_fields(Margins), *metric_fields(BaseDamage), *metric_fields(CoMovement))
 LAYER_FIELDS = (*fields(LayerReceipts), BOUNDARY_MASS_KEY)
 """Per-layer receipts a record copies from the receipts artifact."""
 LAYER_DRIFT_FIELDS = fields(LayerDrift)
 CLIFF_FIELDS = fields(Cliff)
 BASE_DAMAGE_FIELDS = fields(BaseDamage)
+COMOVE_FIELDS = fields(CoMovement)
 DELTA_FIELDS = fields(Deltas)
 DECISION_FIELDS = tuple(name for name in fields(GateDecision) if name != "step")
 """The record fields that hold the policy's decision."""

@@ -143,7 +143,7 @@ def test_two_ranks_anchors_are_joined_in_anchor_order(model, canary):
     parts = [pickle.loads(pickle.dumps(p)) for p in parts]  # as a distributed gate's gather sends them
     merged = build_report(parts, layers, canary, CFG, model, None, plan)
     one, two = whole.anchors["tensors"], merged.anchors["tensors"]
-    assert sorted(one) == sorted(two) and len(one) == len(layers) * 7 + 3  # 5 anchor tensors, g0, gamma0; kl
+    assert sorted(one) == sorted(two) and len(one) == len(layers) * 10 + 3  # 5 anchor tensors, g0, gamma0, co-movement's 3; kl
     for key in one:  # other micro-batches on two ranks: the same rows, within the world-size tolerance
         assert one[key].shape == two[key].shape and one[key].dtype == two[key].dtype
         assert torch.allclose(one[key].double(), two[key].double(), rtol=0, atol=1e-5), key

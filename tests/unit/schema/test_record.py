@@ -33,7 +33,8 @@ def test_field_lists_are_derived_from_the_declaration():
     assert set(schema.LAYER_METRICS) <= set(schema.fields(schema.LayerRecord))
     assert schema.METRIC_NAMES == {"mean_cv": "mean_cv_pct", "max_cv": "max_cv_pct"}
     assert schema.LAYER_DRIFT_FIELDS == ("coord_drift", "boundary_drift", "transition_drift", "content_drift",
-                                         "c2_delta", "dead_experts_delta")
+                                         "c2_delta", "dead_experts_delta", "comove_state", "comove_state_against",
+                                         "comove_field", "comove_field_against", "comove_router_still", "comove_absent")
     # the base-damage keys verify checks are the declared ones, less the reason of an absence
     from atlas_tracking.schema.artifacts import BASE_DAMAGE_KEYS
     assert set(BASE_DAMAGE_KEYS) | {"kl_base_absent"} == set(schema.BASE_DAMAGE_FIELDS)
