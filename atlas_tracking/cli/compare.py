@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from atlas_tracking.artifacts.baseline import Baseline, reference_from_report
-from atlas_tracking.artifacts.gate_report import read_artifact
+from atlas_tracking.adapters import find_routed_layers
+from atlas_tracking.artifacts.baseline import Baseline
+from atlas_tracking.artifacts.handoff_reference import HandoffReference
 from atlas_tracking.artifacts.io import write_atomic
 from atlas_tracking.cli.checkpoints import load_hf_model
 from atlas_tracking.cli.common import add_model_options, load_config
 from atlas_tracking.engine.canary import Canary
 from atlas_tracking.engine.lineage import drift_document, exact_kl, kl_section
-from atlas_tracking.engine.measure import measure
+from atlas_tracking.engine.measure import check_references, measure
 from atlas_tracking.schema.record import LAYER_DRIFT_FIELDS
 from atlas_tracking.viz.tables import format_table
 
@@ -24,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     cfg.receipts.progress = cfg.receipts.progress and not args.quiet
     canary = Canary.load(args.canary)
-    reference = reference_from_report(read_artifact(args.reference)) if args.reference else None
+    reference = HandoffReference.load(args.reference) if args.reference else None
     base_model = load_hf_model(args.base, args.dtype, args.device)
+    check_references(base_model, canary, find_routed_layers(base_model), reference)  # before anything is measured
     baseline = Baseline.from_report(measure(base_model, canary, config=cfg))
     del base_model
     gc.collect()
@@ -56,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--candidate", required=True, help="candidate checkpoint directory")
     p.add_argument("--canary", required=True, help=".npy or .npz canary")
     p.add_argument("--out", required=True, help="drift JSON to write")
-    p.add_argument("--reference", help="receipts artifact (.json or .safetensors) of a healthy reference for the "
-                   "handoff margin (default: base)")
+    p.add_argument("--reference", help="receipts artifact (.json or .safetensors) or baseline directory of a healthy "
+                   "reference for the handoff margin, measured on the same routed layers and canary (default: base)")
     p.add_argument("--save-baseline", help="also save the base checkpoint's baseline directory here")
     p.add_argument("--no-exact-kl", action="store_true",
                    help="skip the exact full-vocabulary KL (it loads the base checkpoint again beside the candidate)")
