@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from atlas_tracking.decisions.interventions import RECIPES
 from atlas_tracking.decisions.phases import (
     PHASES,
     collapse_reasons,
@@ -103,19 +104,7 @@ RULES = {
 }
 """The table row each stage transition follows (the record's ``rule``)."""
 
-INTERVENTIONS = {
-    "overlap_and_occupancy": "Endpoint/adaptor regularization or router-prior control at matched scalar success. "
-    "Do not keep training passively.",
-    "atlas_drift": "Inspect protected layers first; tighten chart-preserving controls before changing the experts.",
-    "resume": "Do nothing except collect the first valid post-baseline gate.",
-    "boundary": "Check gain drift, thresholding, and boundary-local router behavior before escalating to broad "
-    "intervention.",
-    "repair": "Continue, but require repeated gates before declaring recovery.",
-    "occupancy": "Investigate the narrowing of expert usage (router prior, load balance, data mix) before claiming "
-    "handoff or preservation.",
-    "collapse": "Check the load-balancing loss weight, the router learning rate and its initialisation; an atlas "
-    "cannot form around dead experts.",
-}
+INTERVENTIONS = {name: recipe.action for name, recipe in RECIPES.items()}
 """Table 14: first intervention to try, by observed pattern."""
 
 

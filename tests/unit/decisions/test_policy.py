@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atlas_tracking.decisions.policy import ACTIONS, GatePolicy, GateSummary
+from atlas_tracking.decisions.policy import ACTIONS, INTERVENTIONS, GatePolicy, GateSummary
 from atlas_tracking.decisions.replay import read_gates, replay
 from atlas_tracking.schema.config import AtlasConfig
 
@@ -25,7 +25,8 @@ def test_distill640_walks_revoked_alert_prepare_intervene():
     assert all(o["interpretation"].startswith("Scalar improvement without geometric recovery") for o in out[2:])
     assert [a["level"] for a in out[1]["alerts"]] == ["WARN"]
     assert [a["level"] for a in out[4]["alerts"]] == ["ERROR"]
-    assert out[4]["intervention"].startswith("Endpoint/adaptor regularization")
+    assert out[4]["intervention"] == INTERVENTIONS["overlap_and_occupancy"]
+    assert "load-balancing (router prior) loss weight five-fold" in out[4]["intervention"]
     assert any("Scalar improvement without geometric recovery" in c for c in out[4]["licensed"])
 
 
@@ -136,7 +137,7 @@ def test_c2_worsening_with_healthy_occupancy_never_escalates_to_intervene():
     assert [o["stage"] for o in out[1:]] == ["revoked"] * 5
     assert [a["level"] for o in out for a in o["alerts"]] == ["WARN"]
     assert out[-1]["interpretation"].startswith("Atlas motion is visible without occupancy collapse")
-    assert out[-1]["intervention"].startswith("Inspect protected layers first")
+    assert out[-1]["intervention"] == INTERVENTIONS["atlas_drift"]
 
 
 def test_a_flat_degraded_plateau_stays_on_alert_and_never_intervenes():
@@ -243,7 +244,7 @@ def test_occupancy_collapse_is_yellow_with_a_warn_in_pretraining():
     assert out[2]["collapse"] == ["l1: 28 of 32 experts dead (more than 0.75 of them)",
                                   "l1: effective experts exp(H) = 2.46 < 2 x top-k 2"]
     assert [(a["level"], a["title"]) for a in out[2]["alerts"]] == [("WARN", "atlas: occupancy collapse at step 400")]
-    assert out[2]["intervention"].startswith("Check the load-balancing loss")
+    assert out[2]["intervention"] == INTERVENTIONS["collapse"]
 
 
 def test_readiness_without_a_declared_reference_is_stability_only_never_ready():
