@@ -160,16 +160,22 @@ class ValidationGates:
     # --- training ---------------------------------------------------------------------------
     def start(self, step: int, log_step: int | None = None) -> dict[str, Any] | None:
         """Training starts at ``step``: resume from a restored state, or claim the run directory and run
-        the step-0 baseline (``gate.baseline_at_start``). Returns the baseline record, if one ran."""
+        the step-0 baseline (``gate.baseline_at_start``). Returns the baseline record, if one ran. A run directory
+        that cannot be written (a full disk) is a failed gate, never a stopped fit: the next gate claims it again."""
         assert self.gate is not None
-        if self.restored is not None and "gate" in self.restored:
-            state, self.restored = self.restored, None
-            self.validations = int(state.get("validations", 0))
-            self.green = list(state.get("green_checkpoints", []))
-            self.resume_counts = self.gate.resume(int(step), state["gate"])
+        try:
+            if self.restored is not None and "gate" in self.restored:
+                state, self.restored = self.restored, None
+                self.validations = int(state.get("validations", 0))
+                self.green = list(state.get("green_checkpoints", []))
+                self.resume_counts = self.gate.resume(int(step), state["gate"])
+                return None
+            self.restored = None
+            self.gate.claim()
+        except OSError as exc:  # monitoring must never stop training
+            self.warn(f"atlas: the run directory could not be written at the start of training: {exc}")
+            self._record_failure(step, exc, log_step)
             return None
-        self.restored = None
-        self.gate.claim()
         if self.gate.config.gate.baseline_at_start and self.gate.baseline_path is None:
             return self.run(step, None, log_step=log_step, trigger="start")
         return None
@@ -217,14 +223,22 @@ class ValidationGates:
             self.warn(f"atlas gate at step {step} failed and was skipped: {type(exc).__name__}: {exc}")
             if trigger == "telemetry" and self.gate.telemetry is not None:
                 self.gate.telemetry.requested = None  # asked once: its failure is the alarm now, not a retry per step
-            try:
-                self.gate.record_failure(step, exc, log_step=log_step)
-            except Exception as lost:  # not even the failure could be recorded (a full disk): still train on
-                log.error("atlas: the failed gate at step %s could not be recorded: %s: %s", step,
-                          type(lost).__name__, lost)
+            self._record_failure(step, exc, log_step)
+            return None
+        if record.get("status") == "FAILED":  # its record could not be written: held, and recorded as failed
+            self.warn(f"atlas gate at step {step} failed: {record['error']} ({record['waiting']} record(s) wait in "
+                      "memory for the disk)")
             return None
         self.last_record = record
         return record
+
+    def _record_failure(self, step: int, exc: BaseException, log_step: int | None) -> None:
+        assert self.gate is not None
+        try:
+            self.gate.record_failure(step, exc, log_step=log_step)
+        except Exception as lost:  # not even the failure could be recorded: still train on
+            log.error("atlas: the failed gate at step %s could not be recorded: %s: %s", step,
+                      type(lost).__name__, lost)
 
     # --- between gates ---------------------------------------------------------------------------
     def step(self, step: int, log_step: int | None = None) -> None:
@@ -266,8 +280,12 @@ class ValidationGates:
         return self.last_record
 
     def finish(self) -> None:
+        """The end of training: the trackers waited for, the backlog written; a failure is a warning."""
         if self.gate is not None:
-            self.gate.finish()
+            try:
+                self.gate.finish()
+            except Exception as exc:  # monitoring must never stop training, nor its end
+                self.warn(f"atlas: the end of training could not be recorded: {type(exc).__name__}: {exc}")
 
     # --- checkpointed state -----------------------------------------------------------------
     def state_dict(self, **extra: Any) -> dict[str, Any]:

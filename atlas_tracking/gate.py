@@ -36,21 +36,19 @@ import contextlib
 import copy
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer, find_routed_layers
 from atlas_tracking.artifacts.baseline import Baseline, BaselineError
+from atlas_tracking.artifacts.gate_retention import pruned_reference, retention_plan
 from atlas_tracking.artifacts.handoff_reference import HandoffReference, pinned_step
 from atlas_tracking.artifacts.history import append_line, key, new_id, read_history
-from atlas_tracking.artifacts.io import sha256_text, write_atomic
 from atlas_tracking.artifacts.receipts_file import encode
 from atlas_tracking.artifacts.record import gate_metrics, gate_record
-from atlas_tracking.artifacts.retention import Plan, pinned_steps, pruned_note, remove, step_of
+from atlas_tracking.artifacts.retention import Plan, remove
 from atlas_tracking.artifacts.run_dir import RunDir, RunDirError
 from atlas_tracking.decisions.alerts import AlertEngine
 from atlas_tracking.decisions.phases import model_vocab_size
@@ -63,8 +61,12 @@ from atlas_tracking.engine.collectives import from_rank_zero as _from_rank_zero
 from atlas_tracking.engine.measure import ForwardFn, anchor_storage, default_forward, measure
 from atlas_tracking.engine.param_reference import ParamDriftError, ParamReference
 from atlas_tracking.rollouts import Rollouts
+from atlas_tracking.schema.artifacts import ALERTS, ERRORS
 from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.sinks.commit import CommitOnWrite
+from atlas_tracking.sinks.commit import is_rank_zero as _is_rank_zero
 from atlas_tracking.sinks.delivery import Delivery
+from atlas_tracking.sinks.held import Held, HeldGate
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.sinks.webhook import WebhookSink
 from atlas_tracking.telemetry import Telemetry, Writer, trigger_fields
@@ -72,19 +74,11 @@ from atlas_tracking.telemetry import Telemetry, Writer, trigger_fields
 log = logging.getLogger("atlas_tracking")
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _is_rank_zero() -> bool:
-    return not _distributed() or torch.distributed.get_rank() == 0
-
-
 def _no_progress(done: int, total: int) -> None:
     """Canary progress on ranks other than zero: nothing (rank zero prints it once for the gate)."""
 
 
-class AtlasGate:
+class AtlasGate(CommitOnWrite):
     """Gates for a model on a fixed canary, with baseline, policy, local record and sinks."""
 
     def __init__(
@@ -117,6 +111,8 @@ class AtlasGate:
         self.alerts = AlertEngine(self.config.alerts, self.config.lifecycle)
         self.baseline: Baseline | None = None
         self.baseline_path: str | None = None
+        self.committed_baseline_path: str | None = None
+        """The baseline the last written gate names (what :meth:`state_dict` keeps)."""
         self.base: Baseline | None = None
         self.base_path: str | None = None
         """The post-training base: the first post-training baseline (the handoff), kept across resumes, against
@@ -142,6 +138,10 @@ class AtlasGate:
             extra.append(webhook)
         self.local = JsonlSink(self.run_dir.gates)
         self.delivery = Delivery(self.local, extra, wait_s=self.config.gate.delivery_wait_s)
+        self.held = Held(self.local)
+        """Writes of the record that wait for the disk (:mod:`atlas_tracking.sinks.held`): a gate commits once written."""
+        self._reference_note: str | None = None
+        """Why gates measure against an older baseline: the last one taken could not be written."""
         self.telemetry = Telemetry(self.layers, self.config) if self.config.telemetry.enabled else None
         """Training-batch routing between gates (docs/telemetry.md): counting hooks from now on."""
         self.rollouts = Rollouts(self.layers, self.config) if self.config.rollout.enabled else None
@@ -199,9 +199,11 @@ class AtlasGate:
         return self.base
 
     def _keep_base(self, record: dict[str, Any]) -> None:
-        """The first post-training baseline becomes the base and stays it across resumes."""
-        if self.base_path is None and record["status"] == "BASELINE" and record.get("phase") == "post_training":
-            self.base_path, self.base = self.baseline_path, self.baseline
+        """The first post-training baseline on disk becomes the base and stays it across resumes."""
+        path = record.get("baseline_path")
+        if (self.base_path is None and path is not None and record["status"] == "BASELINE"
+                and record.get("phase") == "post_training" and "reference_fallback" not in record):
+            self.base_path, self.base = path, self.baseline if path == self.baseline_path else None
 
     # --- the run directory ------------------------------------------------------------------
     @property
@@ -226,11 +228,11 @@ class AtlasGate:
             return self.out_dir
         try:
             decision = self._choose_dir() if _is_rank_zero() else None
-        except RunDirError as exc:
+        except (RunDirError, OSError) as exc:  # a full disk cannot take run.json: every rank hears it
             decision = exc
         decision = _from_rank_zero(decision)
         if isinstance(decision, Exception):
-            raise RunDirError(str(decision))
+            raise decision
         path, self.run_id, self.branch = decision
         self.run_dir = RunDir(path)
         self.local.path = self.run_dir.gates
@@ -240,23 +242,7 @@ class AtlasGate:
     def _choose_dir(self) -> tuple[str, str, str]:
         run_id = (self._restored or {}).get("run_id") or self.run_id or new_id()
         adopt_legacy = self._restored is not None and not self._restored.get("run_id")
-        first = self.run_dir.path
-        path, n = first, 1
-        while True:
-            held, owner = RunDir(path).owner()
-            if not held or owner == run_id or (owner is None and adopt_legacy):
-                break
-            if self.config.gate.existing_record == "refuse":
-                raise RunDirError(
-                    f"{path} holds the record of another run (run {owner or 'without id'}, "
-                    f"{RunDir(path).describe()}); choose another out_dir, move that record away, or set "
-                    f"gate.existing_record: new_dir to write to a new directory beside it")
-            n += 1
-            path = first.with_name(f"{first.name}-{n}")
-        if path != first:
-            message = (f"atlas: {first} holds the record of another run ({RunDir(first).describe()}); "
-                       f"this run's record goes to {path} (gate.existing_record: new_dir)")
-            warnings.warn(message, UserWarning, stacklevel=4)  # once: not also a log line
+        path = self.run_dir.choose(run_id, adopt_legacy, self.config.gate.existing_record)
         RunDir(path).write_identity(run_id, self.canary.fingerprint)
         return str(path), run_id, self.branch
 
@@ -282,27 +268,39 @@ class AtlasGate:
         record's ``gate_seconds`` is the wall time of the measurement and its reading (the delivery
         that follows is added to ``seconds_total``). The returned record is the same on every rank
         except ``receipts_sha256``, which rank zero adds when it writes the receipts.
+
+        A gate commits when its line is durably in ``gates.jsonl``: only then do the policy's state, the lineage and
+        :meth:`state_dict` advance. An ``OSError`` (a full disk) never stops training: the gate is held in memory
+        (written whole, and committed, as soon as the disk has room, :mod:`atlas_tracking.sinks.held`), recorded as a
+        failed gate (:meth:`record_failure`), and ``run`` returns that failure: ``status`` ``FAILED``, ``step``,
+        ``error`` (naming the file and the free space) and ``waiting`` (records held in memory).
         """
+        try:
+            return self._run(step, loss, log_step, trigger, loss_key, direction)
+        except OSError as exc:  # monitoring never stops training
+            line = self.record_failure(step, exc, log_step)
+            return {**line, "status": "FAILED", "waiting": self.held.waiting()}
+
+    def _run(self, step: int, loss: float | None, log_step: int | None, trigger: str, loss_key: str | None,
+             direction: str | None) -> dict[str, Any]:
         self.claim()
+        self._flush()  # a gate held for the disk is written (and commits) before this one is read
         self._close_interval(step, log_step)  # no interval of training-batch load straddles a gate
         t0 = time.perf_counter()
         self._load_existing_baseline()
         self._pinned_reference()
         resume = self._resume_pending
-        pruned_reference = _from_rank_zero(self._pruned_reference() if _is_rank_zero() else None) if resume else None
+        pruned = _from_rank_zero(pruned_reference(self.baseline_path) if _is_rank_zero() else None) if resume else None
         # In pretraining every gate becomes the next one's reference (docs/policy.md#lifecycle-phases).
         new_baseline = self.baseline is None or resume or self.policy.rolls_reference
         config, protection = self._protection(step)
         report = self._measure(step, config, new_baseline)
         param_drift = self._param_drift(step, new_baseline)
+        fallback = self._reference_note  # the last baseline taken is not on disk: this gate measured without it
         if new_baseline:
-            self.baseline = Baseline.from_report(report)
-            target = self.run_dir.baseline_dir(step, self.branch)
-            self.baseline_path = str(target)
-            if _is_rank_zero():
-                self.baseline.save(target)
-                self.run_dir.point_baseline(target)
-        record = gate_record(report, None, step=step, loss=loss, resume=resume, baseline_path=self.baseline_path)
+            fallback = self._take_baseline(step, report) or fallback
+        record = gate_record(report, None, step=step, loss=loss, resume=resume,
+                             baseline_path=self.baseline_path if self.baseline is not None else None)
         # the gate's identity early in its line: a line a crash cuts short still names it (artifacts/rebuild.py)
         head = {"schema_version": record["schema_version"], "step": record["step"], "run_id": self.run_id,
                 "branch": self.branch, "loss": record["loss"], "resume": record["resume"]}
@@ -310,6 +308,8 @@ class AtlasGate:
             head["baseline_path"] = record["baseline_path"]
         record = {**head, **record}
         record.update(protection)
+        if fallback is not None:
+            record["reference_fallback"] = fallback
         if self.handoff_reference is not None:
             record["handoff_reference"] = self.handoff_reference.source
         if param_drift is not None:
@@ -318,28 +318,34 @@ class AtlasGate:
             record["log_step"] = int(log_step)
         if resume and self._canary_changed_from:
             record["canary_changed_from"] = self._canary_changed_from
-        if pruned_reference is not None:
-            record["reference_pruned"] = pruned_reference
+        if pruned is not None:
+            record["reference_pruned"] = pruned
         record["vocab_size"] = self.vocab_size
         record.update(trigger_fields(self.telemetry, trigger, loss_key), objective_direction=self._direction(direction, loss_key))
-        decision = self.policy.read(GateSummary.from_dict(record)).to_dict()
-        events = [e.to_dict() for e in self.alerts.evaluate(decision, record)]
+        ahead = self.held.ahead() or {"policy": self.policy, "alerts": self.alerts}  # read after any held gate
+        policy, alerts = copy.deepcopy(ahead["policy"]), copy.deepcopy(ahead["alerts"])
+        decision = policy.read(GateSummary.from_dict(record)).to_dict()
+        events = [e.to_dict() for e in alerts.evaluate(decision, record)]
         decision["alerts"] = events
         record.update({k: v for k, v in decision.items() if k != "step"})
-        self._keep_base(record)
         if self.telemetry is not None:
             self.telemetry.answered(record)
         self._resume_pending = False
         self._canary_changed_from = None
-        self.gates_run += 1
-        self.lineage.append([int(step), self.branch])
         record["gate_seconds"] = time.perf_counter() - t0
-        plan, retained = _from_rank_zero(self._retention_plan() if _is_rank_zero() else None)
+        lineage = [*self.lineage, *([h.record["step"], h.record["branch"]] for h in self.held.gates), [step, self.branch]]
+        plan, retained = _from_rank_zero(retention_plan(self.run_dir, self.config, lineage, [
+            self.baseline_path, self.base_path]) if _is_rank_zero() else None)  # the lineage once this gate commits
         record.update(retained)  # named in the record before anything is removed
-        if _is_rank_zero():
-            self._deliver(record, report, events)
-            self._prune(plan)
+        receipts = (self.run_dir.receipts_writer(step, encode(report.to_dict(), self.config.gate.receipts_format,
+                    self.config.gate.receipts_binary_above)) if _is_rank_zero() and self.keep_receipts else None)
+        self.held.hold(HeldGate(record, gate_metrics(record, self.config.gate.log_per_layer), self._tracker_step(record),
+                                events, receipts, {"policy": policy, "alerts": alerts, "plan": plan}))
+        error = self._flush()
         self.seconds_total += time.perf_counter() - t0
+        if any(held.record is record for held in self.held.gates):
+            raise OSError(f"{error}; the gate at step {step} is held in memory and written as soon as the disk "
+                          "has room")
         return record
 
     # --- between gates (atlas_tracking/telemetry.py) -----------------------------------------------
@@ -350,9 +356,11 @@ class AtlasGate:
         load interval closes when it is due (``telemetry.every_n_steps``), and when the alarm asks for an early gate
         it runs now with ``loss`` (``early``; a callback runs it at the next boundary instead). Returns that
         gate's record, or None. Never raises: a failed early gate is recorded as one (:meth:`record_failure`)."""
-        if self.telemetry is None:
+        if self.held.waiting():
+            with contextlib.suppress(Exception):  # a write that still fails waits for the next call
+                self._flush()
+        if self.telemetry is None or not self._claim_quietly():
             return None
-        self.claim()
         asked = self.telemetry.step(step, self.policy.rolls_reference, self._writer(), log_step)
         if not (asked and early):
             return None
@@ -366,6 +374,15 @@ class AtlasGate:
             self.record_failure(step, exc, log_step)
             return None
 
+    def _claim_quietly(self) -> bool:
+        """:meth:`claim` between gates: a run directory that cannot be written yet is an error line, not a raise."""
+        try:
+            self.claim()
+        except OSError as exc:  # a full disk: the next gate tries again
+            log.debug("atlas: the run directory cannot be written yet: %s", exc)  # each gate says so
+            return False
+        return True
+
     def _writer(self) -> Writer | None:
         return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery) if _is_rank_zero() else None
 
@@ -376,9 +393,8 @@ class AtlasGate:
         rollout engine returned (call it on every rank, each with its own batch; docs/rollout.md#in-a-training-loop):
         measured every ``rollout.every_n_steps`` steps, written to ``rollout.jsonl``, delivered, read by the alarm.
         ``options`` are :meth:`~atlas_tracking.rollouts.Rollouts.record`'s. Returns the line, or None; never raises."""
-        if self.rollouts is None or not self.rollouts.due(step):
+        if self.rollouts is None or not self.rollouts.due(step) or not self._claim_quietly():
             return None
-        self.claim()
         return self.rollouts.guarded(self.model, step, self._writer(), input_ids, routed_experts, attention_mask,
                                      **options)
 
@@ -423,53 +439,6 @@ class AtlasGate:
         return drift
 
     # --- retention (docs/record.md#retention) ------------------------------------------------------
-    def _pruned_reference(self) -> str | None:
-        """At a resume whose restored reference retention removed: that folder and the gate that pruned it."""
-        note = pruned_note(self.baseline_path) if self.baseline_path else None
-        if note is None:
-            return None
-        log.warning("atlas: the restored reference %s was %s; the resume gate is a new baseline with no drift "
-                    "against it", self.baseline_path, note)
-        return f"{self.baseline_path}: {note}"
-
-    def _kept_baselines(self) -> set[str]:
-        """Folder names under ``baselines/`` that stay: the current reference, the post-training base, a declared
-        handoff reference in this run directory and the history's last ``gate.keep_baselines`` baselines."""
-        names = [self.run_dir.baseline_dir(int(s), b).name for s, b in self.lineage]
-        recent = [n for n in names if (self.run_dir.baselines / n).is_dir()][-self.config.gate.keep_baselines:]
-        kept = {Path(p).name for p in (self.baseline_path, self.base_path) if p} | set(recent)
-        inside = self._in_run_dir(self.run_dir.baselines)
-        return kept | ({inside} if inside else set())
-
-    def _in_run_dir(self, folder: Path) -> str | None:
-        """The first name under ``folder`` of a declared handoff reference path that lives there, else None."""
-        spec = self.config.lifecycle.handoff_reference
-        if spec is None or pinned_step(spec) is not None:
-            return None
-        try:
-            return Path(spec).resolve().relative_to(folder.resolve()).parts[0]
-        except (ValueError, IndexError):
-            return None
-
-    def _retention_plan(self) -> tuple[Plan, dict[str, Any]]:
-        """What this gate's retention removes and the record fields that name it (read on rank zero)."""
-        gate = self.config.gate
-        pinned = pinned_steps(self.run_dir.path, gate.pin_baselines)
-        fields: dict[str, Any] = {"retention": {"keep_baselines": gate.keep_baselines,
-                                                "keep_receipts": gate.keep_receipts, "pinned": sorted(pinned)}}
-        try:
-            plan = Plan.of_baselines(self.run_dir.path, self._kept_baselines(), pinned)
-            steps = [int(s) for s, _ in self.lineage]
-            if gate.keep_receipts is not None and len(steps) > gate.keep_receipts:
-                reference = self._in_run_dir(self.run_dir.receipts)
-                keep = {pinned_step(self.config.lifecycle.handoff_reference or ""),
-                        step_of(reference) if reference else None}
-                plan.add_receipts(self.run_dir.path, steps[-gate.keep_receipts], {s for s in keep if s is not None})
-        except OSError as exc:
-            log.warning("atlas: retention cannot read %s (%s); nothing pruned at this gate", self.run_dir.path, exc)
-            return Plan(), fields
-        return plan, {**fields, **plan.fields()}
-
     def _prune(self, plan: Plan) -> None:
         """Remove what the record line just written names; a failure is a warning (the next gate tries again)."""
         gone = plan.baselines + plan.receipts
@@ -485,15 +454,6 @@ class AtlasGate:
     def _tracker_step(self, record: dict[str, Any]) -> int:
         return int(record.get("log_step", record["step"]))
 
-    def _deliver(self, record: dict[str, Any], report: Any, events: list[dict[str, Any]]) -> None:
-        if self.keep_receipts:
-            gate = self.config.gate
-            form, data = encode(report.to_dict(), gate.receipts_format, gate.receipts_binary_above)
-            write_atomic(self.run_dir.receipts_target(record["step"], form), data)
-            record["receipts_sha256"] = sha256_text(data)
-        metrics = gate_metrics(record, self.config.gate.log_per_layer)
-        self.delivery.gate(record, metrics, self._tracker_step(record), events)
-
     def record_failure(self, step: int, exc: BaseException, log_step: int | None = None) -> dict[str, Any]:
         """A gate that could not run is an alarm: an ERROR alert (:meth:`AlertEngine.failure`) counted with the
         failures before it, written to ``errors.jsonl`` first (the ground truth of failures; ``gates.jsonl``
@@ -502,17 +462,25 @@ class AtlasGate:
         returns the ``errors.jsonl`` line (:class:`~atlas_tracking.schema.record.FailedGate`)."""
         error = f"{type(exc).__name__}: {exc}"
         layers = [layer.name for layer in self.layers if f"{layer.name} (" in str(exc)]
-        event = self.alerts.failure(int(step), error, layers).to_dict()
+        alerts = (self.held.ahead() or {"alerts": self.alerts})["alerts"]  # counted after any gate still held
+        event = alerts.failure(int(step), error, layers).to_dict()
         line: dict[str, Any] = {"step": int(step), "error": error, "failed_layers": layers,
                                 "consecutive": event["failed"]["count"], "first_failed_step": event["failed"]["first_step"],
                                 "run_id": self.run_id, "branch": self.branch, "alerts": [event]}
         if log_step is not None:
             line["log_step"] = int(log_step)
-        if not _is_rank_zero() or not self._claimed:
+        if not _is_rank_zero():
             return line
-        append_line(self.run_dir.errors, line)
+        self.held.line(ERRORS, line)  # the record first, as soon as the disk takes it; the trackers at once
+        self.held.line(ALERTS, event)
+        if self._claimed:
+            self.held.flush_lines()
+        waiting = self.held.waiting()
+        if waiting:
+            event = {**event, "text": f"{event['text']} {waiting} record(s) of this run wait in memory for the disk "
+                                      f"to have room ({self.held.error or 'the run directory is not claimed'})."}
         log.error("atlas alert [ERROR] %s: %s", event["title"], event["text"])
-        self.delivery.alert(event)
+        self.delivery.notify(event)
         return line
 
     @bounded_gate
@@ -595,6 +563,14 @@ class AtlasGate:
             except Exception as exc:  # monitoring never stops training, nor its end
                 log.error("atlas: the last training-batch load interval could not be closed: %s: %s",
                           type(exc).__name__, exc)
+        try:
+            self._flush()  # the last chance for what waits for the disk
+        except Exception as exc:  # monitoring never stops training, nor its end
+            log.error("atlas: the record could not be written at the end of training: %s: %s", type(exc).__name__, exc)
+        if self.held.waiting():
+            log.error("atlas: training ended with %d record(s) the disk had no room for (%s): they are lost; the "
+                      "history and the checkpointed state end at the last gate written (step %s)",
+                      self.held.waiting(), self.held.error, self.lineage[-1][0] if self.lineage else None)
         self.delivery.finish()
 
     # --- state -------------------------------------------------------------------------------
@@ -602,7 +578,7 @@ class AtlasGate:
         return {
             "policy": self.policy.state_dict(),
             "alerts": self.alerts.state_dict(),
-            "baseline_path": self.baseline_path,
+            "baseline_path": self.committed_baseline_path,
             "base_path": self.base_path,
             "canary_fingerprint": self.canary.fingerprint,
             "gates_run": self.gates_run,
@@ -622,7 +598,7 @@ class AtlasGate:
         """
         self.policy.load_state_dict(state["policy"])
         self.alerts.load_state_dict(state["alerts"])
-        self.baseline_path = state.get("baseline_path")
+        self.baseline_path = self.committed_baseline_path = state.get("baseline_path")
         self.base_path, self.base = state.get("base_path"), None
         self.gates_run = int(state.get("gates_run", 0))
         self.lineage = [list(k) for k in state.get("lineage", [])]

@@ -302,8 +302,12 @@ class AtlasTrainerCallback(TrainerCallback, ExportableState):
         if gate is None or not _is_rank_zero():
             return
         path = gate.run_dir.canary_file(self.canary.fingerprint)
-        if not path.exists():
-            self.canary.save(path)
+        try:
+            if not path.exists():
+                self.canary.save(path)
+        except OSError as exc:  # a full disk: the checkpoint keeps no canary file now; training goes on
+            _warn(f"atlas: the canary could not be kept at {path} ({exc}); a resume needs it given again")
+            return
         self._canary_file = str(path)
 
     # --- gates -------------------------------------------------------------------------------

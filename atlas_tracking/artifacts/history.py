@@ -24,6 +24,7 @@ Example (a file written before branches were kept apart, resolved as a resume re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from atlas_tracking.artifacts.io import write_all, write_atomic
+from atlas_tracking.artifacts.io import named_error, write_all, write_atomic
 from atlas_tracking.schema.artifacts import GATES
 from atlas_tracking.schema.record import GateRecord, RecordVersionError, upgrade_record
 
@@ -84,15 +85,27 @@ def cut_torn_tail(fd: int, path: Path) -> None:
 
 
 def append_line(path: str | Path, obj: dict[str, Any]) -> None:
-    """Append one JSON object as one line, then fsync: the line is complete on disk when this returns."""
+    """Append one JSON object as one line, then fsync: the line is complete on disk when this returns.
+
+    A write that fails (a full disk) takes back what it wrote of the line before it raises, so it leaves no
+    line cut short behind it; the ``OSError`` names the file and, on a full disk, the free space there."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise named_error(exc, path) from exc
     try:
         cut_torn_tail(fd, path)
-        write_all(fd, data)
-        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # no space is needed to take the cut line back
+                os.ftruncate(fd, size)
+            raise named_error(exc, path) from exc
     finally:
         os.close(fd)
 

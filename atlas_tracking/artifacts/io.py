@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import math
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,35 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """The bytes free on the file system that holds ``path`` (its nearest existing folder), or None when unknown."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def named_error(exc: OSError, path: str | Path) -> OSError:
+    """``exc`` as an ``OSError`` that names the file it failed on and, on a full disk, the free space there.
+
+    >>> str(named_error(OSError(errno.EACCES, "Permission denied"), "atlas/gates.jsonl"))
+    "[Errno 13] Permission denied: 'atlas/gates.jsonl'"
+    """
+    if exc.filename is not None and exc.errno != errno.ENOSPC:
+        return exc
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and "free" not in reason:
+        free = free_bytes(path)
+        reason += f" ({'unknown' if free is None else free} bytes free there)"
+    named = OSError(exc.errno, reason, str(path))
+    named.__cause__ = exc
+    return named
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,9 +126,11 @@ def write_atomic(path: Path, data: str | bytes | Iterable[bytes | memoryview]) -
             os.fsync(fd)
         finally:
             os.close(fd)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # nothing half-written is left beside the file
+        if isinstance(exc, OSError):
+            raise named_error(exc, path) from exc
         raise
     return replace_durably(tmp, path)
 

@@ -48,6 +48,8 @@ import logging
 import os
 import shutil
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,7 @@ from atlas_tracking.artifacts.history import (
     read_lines,
     write_lines,
 )
-from atlas_tracking.artifacts.io import replace_durably, write_atomic
+from atlas_tracking.artifacts.io import named_error, replace_durably, sha256_text, write_atomic
 from atlas_tracking.artifacts.load_record import rewind_load
 from atlas_tracking.artifacts.rebuild import prefix_fields, rebuild_cut_gate
 from atlas_tracking.artifacts.receipts_file import FORMS, SUFFIXES
@@ -172,6 +174,29 @@ class RunDir:
             return "no gates"
         return f"{len(recs)} gate(s), steps {recs[0]['step']}..{recs[-1]['step']}"
 
+    def choose(self, run_id: str, adopt_legacy: bool, existing_record: str) -> Path:
+        """The directory run ``run_id`` writes its record to: this one, unless it holds another run's record (one
+        without a run id is adopted with ``adopt_legacy``); then with ``existing_record`` ``new_dir`` the first free
+        sibling ``<path>-2``, ``-3``, ... (a warning names it), with ``refuse`` a :class:`RunDirError`."""
+        first = path = self.path
+        n = 1
+        while True:
+            held, owner = RunDir(path).owner()
+            if not held or owner == run_id or (owner is None and adopt_legacy):
+                break
+            if existing_record == "refuse":
+                raise RunDirError(
+                    f"{path} holds the record of another run (run {owner or 'without id'}, "
+                    f"{RunDir(path).describe()}); choose another out_dir, move that record away, or set "
+                    f"gate.existing_record: new_dir to write to a new directory beside it")
+            n += 1
+            path = first.with_name(f"{first.name}-{n}")
+        if path != first:
+            message = (f"atlas: {first} holds the record of another run ({RunDir(first).describe()}); "
+                       f"this run's record goes to {path} (gate.existing_record: new_dir)")
+            warnings.warn(message, UserWarning, stacklevel=5)  # once: not also a log line
+        return path
+
     def write_identity(self, run_id: str, canary_fingerprint: str) -> None:
         run_file = self.path / RUN_FILE
         if run_file.is_file():
@@ -204,6 +229,29 @@ class RunDir:
             if tmp.is_symlink():
                 tmp.unlink()
             log.warning("atlas: cannot link %s to %s; the current baseline is %s", link, target, target)
+
+    def save_baseline(self, baseline: Any, target: Path) -> str | None:
+        """Write ``baseline`` (a :class:`~atlas_tracking.artifacts.baseline.Baseline`) to ``target`` and point
+        ``baseline`` at it; returns None, or the error (naming the file and the free space) when it is not on disk."""
+        try:
+            baseline.save(target)
+        except OSError as exc:
+            return str(named_error(exc, target))
+        try:
+            self.point_baseline(target)
+        except OSError as exc:  # the baseline is on disk; only the link to it is stale
+            log.warning("atlas: cannot point %s at %s (%s)", self.current_baseline, target, exc)
+        return None
+
+    def receipts_writer(self, step: int, encoded: tuple[str, str | bytes]) -> Callable[[], str]:
+        """Writes the receipts of the gate at ``step`` (``(form, data)``, encoded) and returns their sha256: called
+        before the gate's line is written, again after a write that failed."""
+        form, data = encoded
+
+        def write() -> str:
+            write_atomic(self.receipts_target(step, form), data)
+            return sha256_text(data)
+        return write
 
     # --- repair --------------------------------------------------------------------------------
     def repair(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from atlas_tracking.artifacts.disk_usage import disk_usage
+from atlas_tracking.artifacts.missing_reference import missing_lines, missing_references
 
 
 def format_usage(usage: dict[str, Any]) -> str:
@@ -43,8 +44,9 @@ def format_usage(usage: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    usage = disk_usage(args.run)
-    print(json.dumps(usage, allow_nan=False) if args.json else format_usage(usage))
+    usage = {**disk_usage(args.run), "missing_references": missing_references(args.run)}
+    print(json.dumps(usage, allow_nan=False) if args.json else "\n".join(
+        [format_usage(usage), *missing_lines(usage["missing_references"])]))
     return 0
 
 

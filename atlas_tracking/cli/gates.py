@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from atlas_tracking.artifacts.missing_reference import missing_lines, missing_references
 from atlas_tracking.viz.gate_table import format_run_gates, run_gates
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = run_gates(args.run)
-    print(json.dumps(summary, allow_nan=False) if args.json else format_run_gates(summary))
+    summary = {**run_gates(args.run), "missing_references": missing_references(args.run)}
+    print(json.dumps(summary, allow_nan=False) if args.json else "\n".join(
+        [format_run_gates(summary), *missing_lines(summary["missing_references"])]))
     return 0
 
 

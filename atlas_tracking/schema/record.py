@@ -519,6 +519,10 @@ class Gate(TypedDict, total=False):
     reference_pruned: str
     """A resume whose restored reference retention had removed: the folder and the gate that pruned it. The gate
     is a new baseline with no drift against that reference."""
+    reference_fallback: str
+    """The last baseline taken could not be written (a full disk): which one, the error, and the baseline on disk
+    this gate measured against instead, or that none is and the next gate takes a new one
+    (docs/record.md#a-full-disk)."""
     layers: list[LayerRecord]
     """One entry per routed layer, in forward order."""
 

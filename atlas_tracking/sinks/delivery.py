@@ -169,6 +169,11 @@ class Delivery:
             self.local.log_gate(record, metrics, step)
             for event in alerts:
                 self.local.alert(event)
+        self.send(record, metrics, step, alerts)
+
+    def send(self, record: dict[str, Any], metrics: dict[str, float], step: int,
+             alerts: list[dict[str, Any]] = ()) -> None:
+        """A gate (and its alerts) the local record already holds, queued for every sink."""
         record, metrics, alerts = copy.deepcopy((record, metrics, list(alerts)))  # the caller may change its own
         for sink in self.sinks:
             self._send(sink, record, metrics, step, alerts)
@@ -176,6 +181,10 @@ class Delivery:
     def alert(self, event: dict[str, Any]) -> None:
         if self.local is not None:
             self.local.alert(event)
+        self.notify(event)
+
+    def notify(self, event: dict[str, Any]) -> None:
+        """An alert queued for every sink, without the local record (which may be on a full disk)."""
         for sink in self.sinks:
             self._call(sink, [("alert", (copy.deepcopy(event),))])
 
@@ -238,7 +247,10 @@ class Delivery:
         backlog = self.backlog()
         runs = {sink.name: tracker_run(sink) for sink in self.sinks if backlog[sink.name]}
         if self.local is not None:
-            self.local.note_backlog(backlog, runs)
+            try:
+                self.local.note_backlog(backlog, runs)
+            except OSError as exc:  # a full disk: the warnings below still say what each sink lacks
+                self.warn(f"atlas: the backlog could not be written ({exc})")
         for name, gates in backlog.items():
             if gates:
                 self.warn(backlog_message(name, len(gates), self.wait_s, self.local))
