@@ -38,54 +38,17 @@ from atlas_tracking.decisions.phases import (
     v2_c1_failures,
 )
 from atlas_tracking.decisions.predicates import INPUTS, read_predicates
+from atlas_tracking.decisions.sentences import (
+    ACTIONS,
+    NO_C2,
+    Evidence,
+    action,
+    interpretation,
+    licensed,
+    unlicensed,
+)
 from atlas_tracking.schema.config import DIRECTIONS, AtlasConfig, PolicyConfig
 from atlas_tracking.schema.record import DELTA_FIELDS, GateDecision, Phase, Stage, Status
-
-ACTIONS = {
-    Stage.baseline: "Wait for the first post-baseline gate: a baseline is a new reference point, not evidence of preservation.",
-    Stage.clean: "Continue: objective and structural usage are jointly consistent with safe continuation on this horizon.",
-    Stage.revoked: "Revoke any success or preservation claim. Keep the next gate on schedule and stop treating the run as "
-    "healthy by default.",
-    Stage.alert: "Do not clear the run. Require joint recovery of C2 and occupancy rather than a single encouraging rebound.",
-    Stage.prepare: "Prepare intervention: the structural claim worsens again with the same occupancy pathology; passive "
-    "continuation is on thin ice.",
-    Stage.intervene: "Intervene or stop claiming progress: repeated degradation with the same occupancy pathology is no "
-    "longer plausibly noise.",
-    Stage.recovering: "Continue, but require repeated jointly recovering gates before declaring recovery.",
-    Stage.forming: "Keep pretraining with gates on schedule: the atlas is still forming and handoff is not yet licensed.",
-    Stage.ready: "Handoff is licensed on this canary: hand off when the objective is where you want it too (resume with "
-    "policy.phase: post_training; the resume gate becomes the post-training baseline).",
-    Stage.stable: "Keep pretraining, or declare a healthy reference (lifecycle.handoff_reference) to read readiness: "
-    "the atlas is stable gate to gate, but stability alone does not license handoff.",
-    Stage.collapse: "Restore balanced routing before spending more compute: routing has collapsed onto a few experts.",
-}
-"""Operator action per stage (docs/policy.md#actions-per-stage)."""
-
-NO_C2 = "n/a"
-"""The C2 trend of a gate without C2 (top-1 routing): read by the C2-free rules (docs/policy.md#top-1-routing)."""
-
-INTERPRETATIONS = {
-    ("ok", "healthy", "improving"): "Objective improvement and structural usage are jointly consistent with safe "
-    "continuation on the current horizon.",
-    ("ok", "degrading", "improving"): "Objective improves, but handoff or preservation claims are unlicensed because "
-    "usage is narrowing. Investigate.",
-    ("worsening", "healthy", "improving"): "Atlas motion is visible without occupancy collapse; the question is which "
-    "layers are moving and whether that motion is acceptable for the current stage.",
-    ("worsening", "degrading", "improving"): "Scalar improvement without geometric recovery. Objective progress is "
-    "licensed; structural health is not.",
-    ("worsening", "degrading", "stalling"): "Both the scalar and structural stories are bad.",
-}
-"""Table 11 rows keyed by (C2 trend, occupancy, loss), without their last words: what to do is the stage's
-(:data:`ESCALATION`), so the interpretation and the action never contradict."""
-
-ESCALATION = {
-    Stage.revoked: "Table 13 asks for two further worse gates before intervening: revoke claims now and collect the "
-    "next gate.",
-    Stage.alert: "Stay on alert; intervene only if two further gates are worse with the same occupancy pathology.",
-    Stage.prepare: "Escalate: one further worse gate with the same occupancy pathology means intervene.",
-    Stage.intervene: "Intervene or reset.",
-}
-"""What the worsening rows of Table 11 ("Escalate.", "Intervene or reset.") mean at each stage of Table 13."""
 
 RULES = {
     "first_bad": "Table 13 row 1: first bad gate after a clean baseline",
@@ -389,17 +352,33 @@ class GatePolicy:
         # C2 worsening with healthy occupancy (Table 11, third row) never escalates on its own.
         same_pathology = occupancy == "degrading" and prev.get("occupancy", occupancy) == "degrading"
         stage, rule = self._next_stage(status, joint_recovery, rebound, self._worse(g, prev), same_pathology)
+        predicates = read_predicates(g.damage, self.cfg)
+        ev = self._evidence(g, c2_trend, occupancy, loss_trend, stage, predicates)
         decision = GateDecision(
             step=g.step, status=status, stage=stage, c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend,
-            action=ACTIONS[stage], interpretation=_interpretation(c2_trend, occupancy, loss_trend, stage),
-            licensed=_licensed(g, c2_trend, occupancy, loss_trend, stage),
-            unlicensed=_unlicensed(g, c2_trend, occupancy, stage),
+            action=action(ev), interpretation=interpretation(ev), licensed=licensed(ev), unlicensed=unlicensed(ev),
             intervention=_intervention(c2_trend, occupancy, loss_trend, stage, rebound, repaired, g, prev),
             worst_layers=_worst_layers(g, ref), phase=Phase.post_training, phase_source=self.phase_source,
-            rule=RULES[rule], predicates=read_predicates(g.damage, self.cfg),
+            rule=RULES[rule], predicates=predicates,
         )
         self._remember(g, status, stage, occupancy)
         return decision
+
+    def _evidence(self, g: GateSummary, c2_trend: str, occupancy: str, loss_trend: str, stage: Stage,
+                  predicates: dict[str, dict[str, Any]]) -> Evidence:
+        """What the gate's sentences read (:mod:`atlas_tracking.decisions.sentences`): the trends, the stage, the
+        predicates and the canary NLL since the base (``worse`` beyond ``damage_nll_tol`` with its CI above 0)."""
+        delta, ci = g.damage.get("canary_nll_delta_cumulative"), g.damage.get("canary_nll_delta_cumulative_ci")
+        if delta is None:
+            canary = "unknown"
+        else:
+            sure = not self.cfg.use_ci or not ci or None in ci or ci[0] > 0
+            canary = "worse" if delta > self.cfg.damage_nll_tol and sure else "not worse"
+        return Evidence(c2_trend=c2_trend, occupancy=occupancy, loss_trend=loss_trend, canary=canary,
+                        base_damage=predicates["base_damage"]["verdict"], stage=Stage(stage).value,
+                        objective=g.objective_word, direction=g.objective_direction,
+                        protected_rewrite=predicates["protected_rewrite"]["verdict"], margin=g.margin is not None,
+                        canary_delta=delta, reasons={k: v.get("reason", "") for k, v in predicates.items()})
 
     def _worse(self, g: GateSummary, prev: dict[str, Any]) -> list[str]:
         """What makes this gate worse than the previous one (empty: not worse): C2 below the previous gate's by
@@ -641,69 +620,6 @@ def _pretraining_unlicensed(reasons: list[str]) -> list[str]:
            "Global routed health from State1 margins alone (the margin trap)."]
     if reasons:
         out.append("Handoff readiness: " + "; ".join(reasons) + ".")
-    return out
-
-
-def _interpretation(c2_trend: str, occupancy: str, loss: str, stage: Stage) -> str:
-    """Table 11's row for the pattern, then what its worsening rows mean at this stage (:data:`ESCALATION`).
-
-    Without C2 (top-1 routing) occupancy carries the structural read: its rows are those of a C2 that is not
-    worsening, and occupancy degrading with the loss stalling is the row where both stories are bad.
-
-    >>> _interpretation("n/a", "degrading", "stalling", Stage.alert).split(". ")[0]
-    'Top-1 routing (no C2): occupancy and the objective are both bad'
-    """
-    if c2_trend == NO_C2:
-        if occupancy == "degrading" and loss == "stalling":
-            return ("Top-1 routing (no C2): occupancy and the objective are both bad. " + ESCALATION.get(stage, "")).strip()
-        return "Top-1 routing (no C2): occupancy, State1, drift and State3 carry the read. " + _interpretation(
-            "stable", occupancy, loss, stage)
-    c2_key = "worsening" if c2_trend == "worsening" else "ok"
-    loss_key = "stalling" if loss == "stalling" else "improving"
-    if (c2_key, occupancy, loss_key) in INTERPRETATIONS:
-        text = INTERPRETATIONS[(c2_key, occupancy, loss_key)]
-    elif loss_key == "stalling":
-        return ("The objective is stalling; structure is not yet failing on both axes. Watch the next gate "
-                "before attributing the stall to the atlas.")
-    else:
-        text = INTERPRETATIONS[(c2_key, occupancy, "improving")]
-    if c2_key == "worsening" and occupancy == "degrading" and stage in ESCALATION:
-        text += " " + ESCALATION[stage]
-    return text
-
-
-def _licensed(g: GateSummary, c2_trend: str, occupancy: str, loss: str, stage: str) -> list[str]:
-    out = []
-    if loss == "improving":
-        out.append(f"The objective improved on the visited region ({g.objective_word} / State3).")
-    out.append("The run is using a " + ("broad" if occupancy == "healthy" else "narrowing") + " subset of experts (occupancy).")
-    if c2_trend == "worsening":
-        out.append("Adjacent co-active charts are becoming less compatible (State2).")
-    elif c2_trend == "improving":
-        out.append("Adjacent co-active charts are becoming more compatible (State2).")
-    if g.margin is not None:
-        out.append("Top-k competitions are sharper / noisier near the boundary, as State1 shows (decisiveness only).")
-    if c2_trend == "worsening" and occupancy == "degrading" and loss == "improving":
-        out.append(f"Scalar improvement without geometric recovery ({g.objective_word} + State2 + occupancy read jointly).")
-    if stage == Stage.clean and c2_trend == NO_C2:
-        out.append("Preservation of the atlas's occupancy since the baseline on this canary (top-1 routing: there "
-                   "is no State2 to read).")
-    elif stage == Stage.clean:
-        out.append("Preservation of the atlas since the baseline on this canary (State2 + occupancy jointly healthy).")
-    return out
-
-
-def _unlicensed(g: GateSummary, c2_trend: str, occupancy: str, stage: str) -> list[str]:
-    out = ["Global routed health from State1 margins alone (the margin trap)."]
-    if c2_trend == NO_C2:
-        out.append("Co-active chart compatibility (State2): top-1 routing has no co-active pairs, so no C2.")
-    if stage != Stage.clean:
-        out.append("Atlas preservation or structural health since the baseline.")
-    if occupancy == "degrading":
-        out.append("Handoff readiness: usage is narrowing.")
-    out.append(f"Whether progress came from a narrowed visited region, from {g.objective_word} alone.")
-    if c2_trend != "worsening" and occupancy == "healthy" and stage != Stage.clean:
-        out.append("Recovery: it needs repeated jointly recovering gates.")
     return out
 
 
