@@ -288,10 +288,11 @@ OWN_CANARY = dict(window=16, n_windows=10)
 one the combine answers, and the last, padded: every kind of call a gate makes."""
 
 
-def _seen_in_forward(model, layers, run) -> dict[str, list]:
-    """Per layer, per call of its MoE block inside the model's forward: the block's output and the expert indices
-    the model handed its experts there (hooks of the test's own, registered before a gate's, so calls a gate
-    makes from its own hooks are not seen)."""
+def _seen_in_forward(model, layers, run, route: bool = False) -> dict[str, list]:
+    """Per layer, per call of its MoE block inside the model's forward: the block's output, the expert indices
+    the model handed its experts there and, with ``route``, the active sets ``[N, k]`` the adapter's routing reads
+    from the router's own first call in the block (hooks of the test's own, registered before a gate's, so calls a
+    gate makes from its own hooks are not seen)."""
     seen = {lay.name: [] for lay in layers}
     inside: dict[str, bool] = {}
     handles = []
@@ -300,7 +301,7 @@ def _seen_in_forward(model, layers, run) -> dict[str, list]:
 
         def pre(m, i, name=lay.name, calls=calls):
             inside[name] = True
-            calls.append({"index": []})
+            calls.append({"index": [], "active": None})
 
         def post(m, i, o, name=lay.name, calls=calls):
             inside[name] = False
@@ -310,9 +311,15 @@ def _seen_in_forward(model, layers, run) -> dict[str, list]:
             if inside.get(name):
                 calls[-1]["index"].append(i[1].detach().clone())
 
+        def router(m, i, o, name=lay.name, calls=calls, lay=lay):
+            if inside.get(name) and calls[-1]["active"] is None:
+                calls[-1]["active"] = lay.routing(o, i[0].reshape(-1, i[0].shape[-1])).active.detach().clone()
+
         handles += [lay.block.register_forward_pre_hook(pre), lay.block.register_forward_hook(post)]
         if lay.fusable:
             handles.append(lay.experts.register_forward_hook(experts))
+        if route:
+            handles.append(lay.router.register_forward_hook(router))
     try:
         with torch.no_grad():
             run()
@@ -324,9 +331,12 @@ def _seen_in_forward(model, layers, run) -> dict[str, list]:
 
 def check_own_forward(family, model, autocast: torch.dtype | None = None, fuse: bool = True) -> None:
     """A gate's forward is the model's own: in every routed layer and every call, the block's output equals the
-    plain forward's bit for bit and the model hands its experts the same indices; the gate's per-window expert
-    loads are the counts of the model's own choice (so its dead experts are the model's). ``autocast``: both
-    forwards run under ``torch.autocast`` in that dtype, as a mixed-precision run validates."""
+    plain forward's bit for bit and, where the layer hands its experts indices (fusable), the model hands them the
+    same ones; in every routed layer, fused or not, the gate's per-window expert loads are the counts of the
+    model's own choice, read through the adapter's routing from the router's call in the plain forward (so its dead
+    experts are the model's). Every routed layer is compared: a layer whose router the plain forward did not call
+    fails. ``autocast``: both forwards run under ``torch.autocast`` in that dtype, as a mixed-precision run
+    validates."""
     from atlas_tracking.adapters import find_routed_layers
     from atlas_tracking.engine.measure import _forward_ids, micro_batches
 
@@ -348,9 +358,10 @@ def check_own_forward(family, model, autocast: torch.dtype | None = None, fuse: 
         with context():
             reports.append(measure(model, canary, config=cfg))
 
-    theirs, ours = _seen_in_forward(model, layers, plain), _seen_in_forward(model, layers, gate)
+    theirs, ours = _seen_in_forward(model, layers, plain, route=True), _seen_in_forward(model, layers, gate)
     report = reports[0]
     assert verify(report.to_dict()) == [], family
+    assert len(report.per_window["layers"]) == len(layers) > 0, family
     for lay, pw in zip(layers, report.per_window["layers"]):
         a, b = theirs[lay.name], ours[lay.name]
         assert len(a) == len(b) == len(batches), (family, lay.name, len(a), len(b))
@@ -358,14 +369,14 @@ def check_own_forward(family, model, autocast: torch.dtype | None = None, fuse: 
         for batch, call_a, call_b in zip(batches, a, b):
             assert torch.equal(call_a["out"], call_b["out"]), (family, lay.name, batch, "block output")
             assert len(call_a["index"]) == len(call_b["index"]), (family, lay.name)
+            assert len(call_a["index"]) > 0 or not lay.fusable, (family, lay.name, "no experts call seen")
             for ia, ib in zip(call_a["index"], call_b["index"]):
                 assert torch.equal(ia, ib), (family, lay.name, batch, "experts' indices")
-            handed = call_a["index"][0] if call_a["index"] else None
-            if handed is None or handed.numel() != batch.size * canary.window * lay.top_k:
-                continue  # no single experts call with the layer's top-k per token: counted by the block check
-            per_window = handed.reshape(batch.size, canary.window, -1)[: batch.end - batch.start].long()
+            active = call_a["active"]
+            assert active is not None, (family, lay.name, batch, "the router was not called in the block")
+            assert active.shape == (batch.size * canary.window, lay.top_k), (family, lay.name, active.shape)
+            per_window = active.reshape(batch.size, canary.window, -1)[: batch.end - batch.start].long()
             for w, chosen in enumerate(per_window):
                 loads[batch.start + w] += np.bincount(chosen.reshape(-1).numpy(), minlength=lay.num_experts)[
                     : lay.num_experts]
-        if loads.any():
-            assert np.array_equal(np.asarray(pw["load"]), loads), (family, lay.name, "loads")
+        assert np.array_equal(np.asarray(pw["load"]), loads), (family, lay.name, "loads")
