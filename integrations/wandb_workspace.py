@@ -4,7 +4,8 @@ The layout is plain data (:func:`workspace_sections`), so it can be checked offl
 :class:`~atlas_tracking.integrations.wandb.WandbSink` really logs; :func:`build_workspace` turns it
 into a ``wandb_workspaces.workspaces.Workspace`` (no network) and :func:`save_workspace` saves it to
 a W&B project (needs a W&B login). Sections, top to bottom: the verdict (status, stage, loss beside
-C2, the gate table), occupancy, the training batches between gates (docs/telemetry.md), State2 and the V2 axes, drift and the lifecycle margins, and, closed
+C2, the gate table), occupancy, the training batches between gates (docs/telemetry.md), State2 and the V2 axes, drift and the lifecycle margins,
+the router-expert coupling (docs/receipts.md#router-expert-coupling), and, closed
 by default, the rollout agreement of a reinforcement-learning loop (docs/rollout.md), the per-layer series, the layers x gates C2 heatmap and the per-layer bar charts. The
 workspace does not auto-generate panels, so a deep model's per-layer keys stay in their own section. For a
 top-1 model (a record whose gates state ``c2_absent: top-1 routing``) the panels whose only series is C2 are
@@ -13,7 +14,7 @@ markdown panels titled "C2: n/a (top-1)": the sink logs no C2 key there.
 Example (offline: the layout for a 4-layer model):
     >>> from atlas_tracking.integrations.wandb_workspace import workspace_sections, logged_keys
     >>> [s.name for s in workspace_sections(n_layers=4)]
-    ['atlas: verdict', 'atlas: occupancy', 'atlas: between gates (training batches)', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: rollout agreement (reinforcement learning)', 'atlas: per layer']
+    ['atlas: verdict', 'atlas: occupancy', 'atlas: between gates (training batches)', 'atlas: State2 and V2', 'atlas: drift and lifecycle', 'atlas: router-expert coupling', 'atlas: rollout agreement (reinforcement learning)', 'atlas: per layer']
     >>> "atlas/layer_03/c2" in logged_keys(workspace_sections(n_layers=4))
     True
     >>> [p.title for p in workspace_sections(n_layers=4, top1=True)[3].panels][0]
@@ -175,6 +176,15 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
                   "kl_base_cumulative", "canary_nll_delta_cumulative"),
             *param_panels,
             _line("gate wall time (s)", "gate_seconds"),
+        )),
+        SectionSpec("atlas: router-expert coupling", (
+            _line("alignment of router rows with their tokens (mean median, lowest lower decile)", "alignment_median",
+                  "alignment_p10_min"),
+            _line("share of experts whose router row points away from their tokens", "alignment_negative"),
+            _line("co-movement since the baseline: row change vs mean-state / mean-field change (median)",
+                  "comove_state", "comove_field"),
+            _line("share of experts whose row moved against their tokens; rows that did not move (a frozen router)",
+                  "comove_state_against", "comove_router_still"),
         )),
         SectionSpec("atlas: rollout agreement (reinforcement learning)", (
             _line("mismatch: worst layer, mean over layers; positions routed differently in some layer",

@@ -188,8 +188,10 @@ class FieldReceipts:
     arithmetic and the hidden states' dtype."""
     sampled: tuple[torch.Tensor, ...] = ()
     """The fields of the self-check's sampled tokens (``SelfCheck.sample_groups``), where this micro-batch has them."""
-    field_sum: torch.Tensor | None = None
-    """``[E, d]`` each expert's tangent fields summed over the tokens routed to it (docs/receipts.md#router-expert-coupling)."""
+    coupling: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Router-expert coupling of the micro-batch (docs/receipts.md#router-expert-coupling), where the router has rows:
+    ``dot [W, E]`` per window the row-state dots, ``state`` and ``field`` ``[E, d]`` each expert's routed tokens'
+    angular states and tangent fields summed."""
 
 
 @dataclass
@@ -301,7 +303,10 @@ class LayerCapture:
         self.beta0: torch.Tensor | None = None
         """A LayerNorm's bias, read with the gain (None: the norm has none)."""
         self.rows: torch.Tensor | None = None
-        """``[E, d]`` the router's rows in state space, read with the gain (None: the router holds none to read)."""
+        """``[E, d]`` the router's rows in state space, read at the layer's first call (None: none to read)."""
+        self.unit: torch.Tensor | None = None
+        """``rows`` each over its length."""
+        self._rows_read = False
         self.coupling: dict[str, torch.Tensor] = {}
         """``state`` and ``field``: ``[E, d]`` sums over the kept tokens routed to each expert of their angular states
         and of its tangent fields (docs/receipts.md#router-expert-coupling)."""
@@ -630,7 +635,8 @@ class LayerCapture:
                 pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
         rho_fields = rho * active_fields
         slot_experts = routing.active if handed is None else handed.index
-        f_sum = torch.zeros(self.layer.num_experts, d, device=dev)
+        unit = self._unit_rows(dev)
+        f_sum = torch.zeros(self.layer.num_experts, d, dtype=torch.float64, device=dev)
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
@@ -642,7 +648,8 @@ class LayerCapture:
             u, z = u_groups[0].float(), zh[t0:t1]
             u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
             v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
-            f_sum += field_sum(v, slot_experts[t0:t1], self.layer.num_experts)
+            if unit is not None:
+                f_sum += field_sum(v, slot_experts[t0:t1], self.layer.num_experts)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
                                                    cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
             v_k[t0:t1] = v.view(-1, d).index_select(0, torch.arange(0, (t1 - t0) * k, k, device=dev) + pos_k[t0:t1])
@@ -662,7 +669,9 @@ class LayerCapture:
             adj_fields=carries[e_k] & carries[sel.sm.e_k1],
             rand_fields=carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand],
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
-            outs=outs, sampled=tuple(sampled), field_sum=f_sum,
+            outs=outs, sampled=tuple(sampled),
+            coupling={} if unit is None else dict(zip(("dot", "state"), window_sums(zh, routing.active, unit,
+                                                                                    self.n_windows)), field=f_sum),
         )
 
     @torch.no_grad()
@@ -679,10 +688,6 @@ class LayerCapture:
             self.gamma0 = layer.gamma().detach().float().cpu()
             beta = layer.beta()
             self.beta0 = None if beta is None else beta.detach().cpu()
-            weight = layer.router_rows()
-            if weight is not None:
-                self.rows = state_rows(weight.to(x.device), layer.gamma().detach().to(x.device),
-                                       layer.norm_type == "layernorm")
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
@@ -725,7 +730,7 @@ class LayerCapture:
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)
         acc.add_cells(routing.active)
-        self._add_coupling(x2, routing.active, fr, rows)
+        self._add_coupling(fr, rows)
         for a, v_a in zip(anchors, fr.anchors):
             if a.collect:
                 self._collect(a, v_a, g2, in_b)
@@ -733,16 +738,27 @@ class LayerCapture:
                 self._drift(a, v_a, g2, x2)
         return stash
 
-    def _add_coupling(self, x2: torch.Tensor, active: torch.Tensor, fr: FieldReceipts, rows: slice) -> None:
-        """Add one kept micro-batch to the coupling sums: per window the row-state dots, per expert the states and
-        the fields of its routed tokens (docs/receipts.md#router-expert-coupling)."""
-        if self.rows is None:
+    def _unit_rows(self, device: torch.device) -> torch.Tensor | None:
+        """The router's unit rows in state space, read at the layer's first call of a gate, where a sharded router's
+        parameters are gathered (docs/receipts.md#router-expert-coupling); None when the router holds none to read."""
+        if not self._rows_read:
+            self._rows_read = True
+            weight = self.layer.router_rows()
+            if weight is not None:
+                self.rows = state_rows(weight.to(device), self.layer.gamma().detach().to(device),
+                                       self.layer.norm_type == "layernorm")
+                self.unit = unit_rows(self.rows)
+        return self.unit
+
+    def _add_coupling(self, fr: FieldReceipts, rows: slice) -> None:
+        """Add one kept micro-batch's coupling to the gate's: its windows' row-state dots, and per expert the states
+        and fields of its routed tokens."""
+        if not fr.coupling:
             return
-        dot, states = window_sums(self.layer.direction(x2), active, unit_rows(self.rows), self.n_windows)
-        self.acc.arrays["align_dot"][rows] = dot
-        for key, part in (("state", states), ("field", fr.field_sum)):
-            if part is not None:
-                self.coupling[key] = part if key not in self.coupling else self.coupling[key] + part
+        self.acc.arrays["align_dot"][rows] = fr.coupling["dot"]
+        for key in ("state", "field"):
+            part = fr.coupling[key]
+            self.coupling[key] = part if key not in self.coupling else self.coupling[key] + part
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``

@@ -65,23 +65,31 @@ def unit_rows(rows: torch.Tensor) -> torch.Tensor:
 def window_sums(zh: torch.Tensor, active: torch.Tensor, unit: torch.Tensor, n_windows: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For window-major tokens (``zh [W L, d]``, active sets ``[W L, k]``) and unit rows ``[E, d]``: ``[W, E]`` the sum,
-    over each window's tokens routed to e, of ``unit_e . zh_t``, and ``[E, d]`` the sum of those tokens' ``zh_t``."""
-    member = torch.zeros(len(zh), len(unit), dtype=zh.dtype, device=zh.device).scatter_(1, active, 1.0)
-    dot = (member * (zh @ unit.T)).view(n_windows, -1, len(unit)).sum(1)
-    return dot, member.T @ zh
+    over each window's tokens routed to e, of ``unit_e . zh_t``, and ``[E, d]`` the sum of those tokens' ``zh_t``.
+
+    The states are summed per window and expert by one batched product with the windows' membership matrices, so
+    an expert's sums are those of its own tokens in token order, bit for bit, whatever the other experts received
+    and in whichever slot."""
+    n, d = zh.shape
+    member = zh.new_zeros(n, len(unit)).scatter_(1, active, 1.0).view(n_windows, -1, len(unit))
+    sums = torch.bmm(member.transpose(1, 2), zh.view(n_windows, -1, d))
+    return (sums * unit).sum(-1), sums.sum(0)
 
 
 def field_sum(v: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``[E, d]`` the sum of the tangent fields ``v [N, k, d]`` each expert of ``experts [N, k]`` gave (a
-    zero-computation expert's row is left out where the means are formed).
+    """``[E, d]`` the sum of the tangent fields ``v [N, k, d]`` each expert of ``experts [N, k]`` gave, accumulated in
+    float64, so that the order in which a token's experts sit in their slots leaves the float32 means as they are
+    (a zero-computation expert's row is left out where the means are formed).
 
     >>> field_sum(torch.ones(2, 2, 3), torch.tensor([[0, 1], [1, 2]]), 3)
     tensor([[1., 1., 1.],
             [2., 2., 2.],
-            [1., 1., 1.]])
+            [1., 1., 1.]], dtype=torch.float64)
     """
-    d = v.shape[-1]
-    return torch.zeros(n_experts, d, dtype=v.dtype, device=v.device).index_add_(0, experts.reshape(-1), v.reshape(-1, d))
+    out = torch.zeros(n_experts, v.shape[-1], dtype=torch.float64, device=v.device)
+    for slot in range(experts.shape[1]):  # one slot at a time: a float64 copy of [N, d], not of [N, k, d]
+        out.index_add_(0, experts[:, slot], v[:, slot].double())
+    return out
 
 
 # --- on the host, from the artifact -------------------------------------------------------------------
@@ -112,19 +120,31 @@ def _alignment(dot: np.ndarray, n: np.ndarray, resultant: Any, row_norm: Any) ->
         return np.where(ok, dot / np.where(n > 0, n, 1.0) / np.where(ok, res, 1.0), np.nan)
 
 
+def _row_quantile(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
+    """The ``q`` quantile (linear interpolation, numpy's default) of the first ``count`` values of each sorted row."""
+    pos = q * np.maximum(count - 1, 0)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, np.maximum(count - 1, 0))
+    rows = np.arange(len(ordered))
+    low, high = ordered[rows, lo], ordered[rows, hi]
+    return low + (pos - lo) * (high - low)
+
+
 def _layer_stats(a: np.ndarray) -> np.ndarray:
-    """``[..., 3]`` median, lower decile and negative share over the finite alignments of each row (NaN: none)."""
+    """``[R, 3]`` median, lower decile and negative share over the finite alignments of each row of ``a`` (NaN where a
+    row has none); one sort of the whole matrix (NaN last), the quantiles read at their positions."""
     a = np.atleast_2d(a)
-    finite = np.isfinite(a)
-    count = finite.sum(-1)
-    out = np.full((len(a), 3), np.nan)
-    rows = count > 0
-    if rows.any():
-        with np.errstate(invalid="ignore"):
-            sub = a[rows]
-            out[rows, 0] = np.nanmedian(sub, axis=-1)
-            out[rows, 1] = np.nanquantile(sub, LOWER_DECILE, axis=-1)
-            out[rows, 2] = (np.where(finite[rows], sub, 0.0) < 0).sum(-1) / count[rows]
+    count = np.isfinite(a).sum(-1)
+    n = a.shape[-1]
+    if n and (count == n).all():  # every row whole (the usual case): only the order statistics read are placed
+        kth = sorted({int(f(q * (n - 1))) for q in (0.5, LOWER_DECILE) for f in (np.floor, np.ceil)})
+        ordered = np.partition(a, kth, axis=-1)
+    else:
+        ordered = np.sort(a, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.stack([_row_quantile(ordered, count, 0.5), _row_quantile(ordered, count, LOWER_DECILE),
+                        (np.nan_to_num(a, nan=0.0) < 0).sum(-1) / count], axis=-1)
+    out[count == 0] = np.nan
     return out
 
 

@@ -37,6 +37,7 @@ from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.schema.artifacts import ERRORS
 from atlas_tracking.schema.load import SUMMARY_KEYS
 from atlas_tracking.schema.record import FAILED, badge
+from atlas_tracking.viz.coupling import coupling_section
 from atlas_tracking.viz.figures import (
     STATUS_COLORS,
     TRAIN_LOAD,
@@ -367,6 +368,8 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
     figures.update(load_figures)
     rollout_html, rollout_figures = rollout_section(list(rollout))
     figures.update(rollout_figures)
+    coupling_html, coupling_figures = coupling_section(last, _img)
+    figures.update(coupling_figures)
     body = f"""<h1>{html.escape(title)}</h1>
 {opening(last, list(failures))}
 <p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
@@ -376,6 +379,7 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
 {occupancy_table(recs)}
 <h2>Expert load (last gate)</h2>{_img(figures['expert_load.png'], 'expert load: layers x experts')}
 <p>{html.escape(expert_text(last.get('layers', [])))}</p>
+{coupling_html}
 {load_html}{rollout_html}<h2>Per-layer C2 (last gate)</h2>{layer_c2}
 <h2>C2: layers x gates</h2>{heatmap}
 <h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in

@@ -134,8 +134,8 @@ def configuration() -> str:
 
 # --- the gate record ----------------------------------------------------------------------------------
 
-RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "GateDecision", "LayerIdentity",
-                   "LayerReceipts", "LayerDrift", "LayerExperts", "FailedGate")
+RECORD_SECTIONS = ("Gate", "Summary", "Cliff", "Deltas", "Margins", "BaseDamage", "CoMovement", "GateDecision",
+                   "LayerIdentity", "LayerReceipts", "LayerDrift", "LayerExperts", "FailedGate")
 """The sections of :class:`~atlas_tracking.schema.record.GateRecord` in the order the docs list them, then the
 line of ``errors.jsonl`` (:class:`~atlas_tracking.schema.record.FailedGate`)."""
 
@@ -259,10 +259,12 @@ def load_keys() -> list[list[str]]:
 def tracker_keys() -> str:
     """Every key a tracker receives, where it comes from and what it means."""
     docs = {**attribute_docs(record_schema.Summary), **attribute_docs(record_schema.Margins),
-            **attribute_docs(record_schema.BaseDamage), **attribute_docs(record_schema.Gate)}
+            **attribute_docs(record_schema.BaseDamage), **attribute_docs(record_schema.CoMovement),
+            **attribute_docs(record_schema.Gate)}
     rows: list[list[str]] = []
     for cls, kind in ((record_schema.Summary, "summary"), (record_schema.Gate, "gate"),
-                      (record_schema.Margins, "against the baseline"), (record_schema.BaseDamage, "against the baseline")):
+                      (record_schema.Margins, "against the baseline"), (record_schema.BaseDamage, "against the baseline"),
+                      (record_schema.CoMovement, "against the baseline")):
         for key, name in metric_fields(cls).items():
             unit = " (load CV x 100)" if key in METRIC_NAMES else ""
             rows.append([f"`atlas/{name}`", kind, docs.get(key, "") + unit])

@@ -43,7 +43,8 @@ def logged_run(tmp_path_factory):
                          sinks=[WandbSink(run=run)])
         gate.run(0, loss=4.0)
         with torch.no_grad():
-            module.model.model.layers[0].mlp.gate.weight.mul_(3.0)  # move the router so drift keys are non-zero
+            weight = module.model.model.layers[0].mlp.gate.weight  # move the router so drift keys are non-zero
+            weight.add_(weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
             module.model.train()(torch.randint(0, 256, (4, 32)))  # a training forward: an interval between gates
         gate.run(10, loss=3.5)
         ids = torch.randint(0, 256, (2, 16))
