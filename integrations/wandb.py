@@ -1,5 +1,8 @@
 """W&B delivery: metrics, per-layer tables and charts, a C2 heatmap, and ``run.alert`` for alerts.
 
+The summary's ``atlas/verdict`` and ``atlas/verdict_source`` are the gate's one verdict and the part that raised it
+(:func:`~atlas_tracking.schema.verdict.gate_verdict`); every alert's text opens with it.
+
 ``WandbSink`` works with a ``wandb`` run or a Lightning ``WandbLogger`` (then metrics go through
 ``logger.log_metrics`` so their x-axis is ``trainer/global_step``). wandb is imported lazily; a heatmap
 that cannot be drawn is left out with a warning and the rest of the gate is still logged. An offline
@@ -15,13 +18,17 @@ from typing import Any
 from atlas_tracking.artifacts.expert_text import layer_label
 from atlas_tracking.artifacts.load_summary import expert_layers
 from atlas_tracking.receipts.experts import OVERLOAD_FACTOR, expert_shares, share_change
-from atlas_tracking.schema.record import FAILED, badge
+from atlas_tracking.schema.record import FAILED
+from atlas_tracking.schema.verdict import Verdict, failed_event_verdict, gate_verdict
 from atlas_tracking.sinks.figures import FigureGuard
 from atlas_tracking.viz.figures import TRAIN_LOAD, fig_c2_heatmap, fig_expert_load, png_bytes
 from atlas_tracking.viz.tables import top1
 
 TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
                  "ov_cf", "v2_c1", "v2_c2", "coord_drift", "boundary_drift", "content_drift", "c2_delta")
+GATE_COLUMNS = ("step", "verdict", "verdict_source", "verdict_reason", "status", "stage", "action")
+"""Columns of ``atlas/gate``: the gate's verdict, the part that raised it and why, the receipt-level status, the
+stage and the action (docs/policy.md#the-verdict)."""
 EXPERT_COLUMNS = ("layer", "layer_index", "ordinal", "expert", "load", "share", "share_delta", "dead", "overloaded")
 """Columns of ``atlas/experts``: one row per routed layer and expert (``share_delta``: since the baseline)."""
 LOAD_COLUMNS = ("step", "layer", "name", "expert", "routes", "share", "dead")
@@ -56,6 +63,8 @@ class WandbSink:
         self._history: list[tuple[int, list[float | None]]] = []
         self._layer_names: list[str] = []
         self._figures = FigureGuard(self.name)
+        self._verdict: Verdict | None = None
+        """The verdict of the last gate logged (its alerts follow it and say it)."""
 
     @property
     def run(self) -> Any:
@@ -98,8 +107,11 @@ class WandbSink:
                 _pil(png_bytes(fig_expert_load(layers, gate_step), dpi=90)), caption=f"expert load, step {gate_step}"))
             if image is not None:
                 payload["atlas/expert_load"] = image
-        status = wandb.Table(columns=["step", "status", "stage", "action"],
-                             data=[[gate_step, badge(record), record.get("stage"), record.get("action")]])
+        verdict = gate_verdict(record)
+        self._verdict = verdict
+        status = wandb.Table(columns=list(GATE_COLUMNS), data=[[gate_step, verdict.level, verdict.source, verdict.reason,
+                                                                 record.get("status"), record.get("stage"),
+                                                                 record.get("action")]])
         payload["atlas/gate"] = status
         self._history.append((gate_step, [lay.get("c2") for lay in layers]))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
@@ -112,7 +124,8 @@ class WandbSink:
         else:
             self.run.log({**payload, self.step_key: step})
         summary = self.run.summary
-        summary["atlas/status"] = badge(record)
+        summary["atlas/verdict"] = verdict.level
+        summary["atlas/verdict_source"] = verdict.source
         summary["atlas/stage"] = record.get("stage")
         summary["atlas/last_gate_step"] = gate_step
 
@@ -154,8 +167,11 @@ class WandbSink:
     def alert(self, event: dict[str, Any]) -> None:
         import wandb
 
+        failed_verdict = failed_event_verdict(event)
+        verdict = failed_verdict or self._verdict
+        text = event["text"] if verdict is None else f"Gate verdict {verdict.headline()}. {event['text']}"
         self.run.alert(
-            title=event["title"][:63], text=event["text"], level=getattr(wandb.AlertLevel, event["level"]),
+            title=event["title"][:63], text=text, level=getattr(wandb.AlertLevel, event["level"]),
             wait_duration=timedelta(seconds=float(event.get("wait_duration_s", 60.0))),
         )
         failed = event.get("failed")
@@ -163,7 +179,8 @@ class WandbSink:
             summary = self.run.summary
             summary["atlas/failed_count"] = 0 if "cleared_step" in failed else failed["count"]
             if "cleared_step" not in failed:
-                summary["atlas/status"] = FAILED
+                summary["atlas/verdict"] = FAILED
+                summary["atlas/verdict_source"] = failed_verdict.source if failed_verdict is not None else FAILED
                 summary["atlas/failed_first_step"] = failed["first_step"]
                 summary["atlas/failed_layers"] = ", ".join(failed["layers"])
 

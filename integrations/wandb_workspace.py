@@ -37,6 +37,7 @@ from atlas_tracking.integrations.wandb import STEP_KEY
 from atlas_tracking.receipts.param_drift import GROUPS as PARAM_GROUPS
 from atlas_tracking.schema.config import TelemetryConfig
 from atlas_tracking.schema.record import LAYER_METRICS, METRIC_NAMES
+from atlas_tracking.schema.verdict import LEVEL_LEGEND
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.viz.tables import NA_TOP1, top1
 
@@ -128,14 +129,15 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
     )
     return [
         SectionSpec("atlas: verdict", (
-            _line("status (BASELINE 0, GREEN 1, YELLOW 2, RED 3)", "status_code"),
+            _line(f"verdict, what the badge and tags show ({LEVEL_LEGEND})", "verdict_code"),
+            _line("receipt-level status (BASELINE 0, GREEN 1, YELLOW 2, RED 3)", "status_code"),
             _line("stage (baseline 0 ... intervene 6; pretraining: forming 7, ready 8, collapse 9, stable 10)",
                   "stage_code"),
             _line("post-training predicates: protected-atlas rewrite, base-domain damage (pass 0, at risk 1, fail 2)",
                   "predicate/protected_rewrite", "predicate/base_damage"),
             _line("validation loss", "loss"),
             _line("C2 (all layers, protected layers)", "c2", "c2_protected"),
-            PanelSpec("table", "last gate: status, stage, action", ("atlas/gate",)),
+            PanelSpec("table", "last gate: verdict and its source, status, stage, action", ("atlas/gate",)),
         )),
         SectionSpec("atlas: occupancy", (
             _line("dead experts (mean, worst layer)", "dead_experts", "dead_experts_max"),

@@ -8,6 +8,10 @@ in the run's history (``run_id``, ``branch``, ``canary_fingerprint``; see
 :mod:`atlas_tracking.artifacts.history`). ``gate_metrics`` turns a record into a bounded set of scalar
 metrics for trackers.
 
+``atlas/verdict_code`` plots the gate's one verdict (:func:`~atlas_tracking.schema.verdict.gate_verdict`: what the
+report's badge and the trackers' tags show); ``atlas/status_code`` and ``atlas/stage_code`` stay the receipt-level
+status and the escalation stage. ``baseline_path`` is written absolute, so it resolves wherever the record is read.
+
 Tracker metrics carry the unit in the name: ``atlas/mean_cv_pct``, ``atlas/max_cv_pct`` (load CV x 100)
 beside ``atlas/layer_NN/load_cv`` (a fraction).
 
@@ -16,13 +20,14 @@ Example:
     ...        "status": "GREEN", "stage": "clean", "layers": [{"ordinal": 0, "c2": 0.05, "dead_experts": 1,
     ...        "load_cv": 0.4}]}
     >>> m = gate_metrics(rec)
-    >>> m["atlas/c2"], m["atlas/status_code"], m["atlas/mean_cv_pct"], m["atlas/layer_00/load_cv"]
-    (0.05, 1.0, 40.0, 0.4)
+    >>> m["atlas/c2"], m["atlas/status_code"], m["atlas/verdict_code"], m["atlas/mean_cv_pct"], m["atlas/layer_00/load_cv"]
+    (0.05, 1.0, 1.0, 40.0, 0.4)
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from atlas_tracking.receipts.experts import total_loads
@@ -46,6 +51,7 @@ from atlas_tracking.schema.record import (
     Margins,
     fields,
 )
+from atlas_tracking.schema.verdict import gate_verdict
 
 
 def finite_number(x: Any) -> float | None:
@@ -113,7 +119,7 @@ def gate_record(
         record.update({k: report.drift[k] for k in COMOVE_FIELDS if k in report.drift})
         record["baseline_step"] = report.drift.get("baseline", {}).get("step")
     if baseline_path is not None:
-        record["baseline_path"] = baseline_path
+        record["baseline_path"] = str(Path(baseline_path).resolve())  # the training process's cwd is not the reader's
     if decision is not None:
         record.update({k: v for k, v in decision.items() if k not in ("step",)})
     return record
@@ -155,6 +161,8 @@ def gate_metrics(record: GateRecord | dict[str, Any], per_layer: bool = True) ->
         out["atlas/status_code"] = float(STATUS_CODES[record["status"]])
     if record.get("stage") in STAGE_CODES:
         out["atlas/stage_code"] = float(STAGE_CODES[record["stage"]])
+    if record.get("status") in STATUS_CODES:
+        out["atlas/verdict_code"] = float(gate_verdict(record).code)
     for name, entry in (record.get("predicates") or {}).items():
         code = VERDICT_CODES.get((entry or {}).get("verdict"))
         if code is not None:

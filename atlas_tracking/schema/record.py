@@ -608,27 +608,9 @@ RECORD_FIELDS = (*fields(GateRecord), *DECISION_FIELDS)
 
 
 FAILED = "FAILED"
-"""The badge of a run whose latest gate could not run (never a policy status: the policy did not read it)."""
+"""The verdict of a run whose latest gate could not run (never a policy status: the policy did not read it)."""
 ALERT_LEVELS = ("INFO", "WARN", "ERROR")
 """Alert levels, least severe first."""
-
-
-def badge(record: dict[str, Any], failed: bool = False) -> str:
-    """The one word a report's badge and the trackers' ``atlas.status`` show for a gate: ``FAILED`` when the gate
-    could not run (``failed``), ``RED`` when the status is RED, the stage is ``intervene`` or the gate raised an
-    ERROR alert, else the record's status. Derived from the record alone, so badge, tags and stage agree.
-
-    >>> badge({"status": "YELLOW", "stage": "intervene", "alerts": [{"level": "ERROR"}]})
-    'RED'
-    >>> badge({"status": "YELLOW", "stage": "revoked", "alerts": [{"level": "WARN"}]}), badge({}, failed=True)
-    ('YELLOW', 'FAILED')
-    """
-    if failed:
-        return FAILED
-    levels = {a.get("level") for a in record.get("alerts", [])}
-    if record.get("status") == Status.RED or record.get("stage") == Stage.intervene or "ERROR" in levels:
-        return Status.RED.value
-    return str(record.get("status"))
 
 
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Alerts POSTed as JSON to a webhook whose URL is never logged."""
+"""Alerts POSTed as JSON to a webhook whose URL is never logged; each event carries its gate's ``verdict`` (level,
+code, source, reason: :func:`~atlas_tracking.schema.verdict.gate_verdict`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import os
 import urllib.request
 from typing import Any
+
+from atlas_tracking.schema.verdict import Verdict, failed_event_verdict, gate_verdict
 
 
 class WebhookSink:
@@ -18,6 +21,8 @@ class WebhookSink:
             raise ValueError("webhook URL must start with http:// or https:// (the URL itself is not shown)")
         self._url = url
         self.timeout_s = timeout_s
+        self._verdict: Verdict | None = None
+        """The verdict of the last gate (its alerts follow it)."""
 
     def __repr__(self) -> str:
         return "WebhookSink(url=<hidden>)"
@@ -29,10 +34,11 @@ class WebhookSink:
         return cls(chosen) if chosen else None
 
     def log_gate(self, record: dict[str, Any], metrics: dict[str, float], step: int) -> None:
-        return None
+        self._verdict = gate_verdict(record)
 
     def alert(self, event: dict[str, Any]) -> None:
-        body = json.dumps(event, allow_nan=False).encode()
+        verdict = failed_event_verdict(event) or self._verdict
+        body = json.dumps({**event, "verdict": verdict.to_dict() if verdict else None}, allow_nan=False).encode()
         req = urllib.request.Request(self._url, data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:

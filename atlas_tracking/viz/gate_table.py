@@ -18,10 +18,10 @@ Example:
     >>> append_line(d / "delivered.jsonl", {"step": 0, "branch": "a", "sink": "wandb", "run": "r1"})
     >>> append_line(d / "errors.jsonl", {"step": 20, "branch": "a", "error": "RuntimeError: out of memory"})
     >>> print(format_run_gates(run_gates(d)))  # doctest: +NORMALIZE_WHITESPACE
-    step  loss  c2      dc2  dead  minH  cv  nll  ref  phase          status  stage  ready  alerts
-    ----  ----  ------  ---  ----  ----  --  ---  ---  -------------  ------  -----  -----  ------
-    0     -     0.0500  -    -     -     -   -    -    post_training  GREEN   clean  -      -
-    10    -     0.0500  -    -     -     -   -    -    post_training  GREEN   clean  -      -
+    step  loss  c2      dc2  dead  minH  cv  nll  ref  phase          verdict  status  stage  ready  alerts
+    ----  ----  ------  ---  ----  ----  --  ---  ---  -------------  -------  ------  -----  -----  ------
+    0     -     0.0500  -    -     -     -   -    -    post_training  GREEN    GREEN   clean  -      -
+    10    -     0.0500  -    -     -     -   -    -    post_training  GREEN    GREEN   clean  -      -
     failed gates: 1
       step 20: RuntimeError: out of memory
     not yet delivered: wandb (run r1): 1 gate(s), steps 10
@@ -36,19 +36,22 @@ from typing import Any
 from atlas_tracking.artifacts.history import gates_file, key, read_history, read_lines
 from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.artifacts.run_dir import RunDir
+from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.viz.tables import c2_cell, format_table, top1
 from atlas_tracking.viz.train_load import format_load, load_view
 
-HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "status", "stage", "ready",
-          "alerts"]
-"""The columns of :func:`gate_table`: the key receipts, the phase, status, stage, readiness and alert levels."""
+HEADER = ["step", "loss", "c2", "dc2", "dead", "minH", "cv", "nll", "ref", "phase", "verdict", "status", "stage",
+          "ready", "alerts"]
+"""The columns of :func:`gate_table`: the key receipts, the phase, the verdict and the part that raised it
+(:func:`~atlas_tracking.schema.verdict.gate_verdict`), the receipt-level status, stage, readiness and alert levels."""
 
 
 def _row(r: dict[str, Any]) -> list[Any]:
     handoff = r.get("handoff")
     return [r["step"], r.get("loss"), c2_cell(r.get("c2"), top1(r)), c2_cell(r.get("c2_delta"), top1(r)),
             r.get("dead_experts"), r.get("min_entropy"),
-            r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), r.get("status"),
+            r.get("mean_cv"), r.get("canary_nll"), r.get("baseline_step"), r.get("phase"), gate_verdict(r).headline(),
+            r.get("status"),
             r.get("stage"), "-" if not handoff else ("yes" if handoff["ready"] else "no"),
             ",".join(a["level"] for a in r.get("alerts", [])) or "-"]
 

@@ -36,7 +36,8 @@ from atlas_tracking.receipts.param_drift import drift_line
 from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.schema.artifacts import ERRORS
 from atlas_tracking.schema.load import SUMMARY_KEYS
-from atlas_tracking.schema.record import FAILED, badge
+from atlas_tracking.schema.record import FAILED
+from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.viz.coupling import coupling_section
 from atlas_tracking.viz.figures import (
     STATUS_COLORS,
@@ -75,7 +76,7 @@ TOP1_NOTE = ("top-1 routing has no co-active pairs, so C2 and its changes are ab
 """What the report says where a C2 figure would be at top-1 routing."""
 
 BADGE_COLORS = {**{s.value: c for s, c in STATUS_COLORS.items()}, FAILED: "#6c1010"}
-"""The badge's colour per word (:func:`~atlas_tracking.schema.record.badge`)."""
+"""The badge's colour per verdict level (:func:`~atlas_tracking.schema.verdict.gate_verdict`)."""
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
@@ -210,9 +211,9 @@ def failed_gate_line(failure: dict[str, Any]) -> str:
 
 
 def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
-    """The report's first paragraph: the gates failing since the last gate that ran, when any (badge FAILED),
-    else the last gate with the badge its record derives (:func:`~atlas_tracking.schema.record.badge`); failed
-    gates that a later gate cleared are named after it.
+    """The report's first paragraph: the gates failing since the last gate that ran, when any (verdict FAILED),
+    else the last gate with its verdict, the part that raised it and why
+    (:func:`~atlas_tracking.schema.verdict.gate_verdict`); failed gates that a later gate cleared are named after it.
 
     >>> text = opening({"step": 50, "status": "GREEN", "stage": "clean"}, [{"step": 60, "error": "E: x"}])
     >>> text.split("</span>")[0].rsplit(">", 1)[1], "Gates failing since step 60" in text
@@ -220,7 +221,8 @@ def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
     """
     failing = [f for f in failures if f["step"] > last["step"]]
     cleared = [f for f in failures if f["step"] <= last["step"]]
-    word = badge(last, failed=bool(failing))
+    verdict = gate_verdict(last, failed=bool(failing), error=str(failing[-1].get("error")) if failing else "")
+    word = verdict.level
     span = f'<span class="status" style="background:{BADGE_COLORS.get(word, "#555")}">{html.escape(word)}</span>'
     state = (f"step {last['step']} {html.escape(str(last.get('status')))}, stage "
              f"<b>{html.escape(str(last.get('stage')))}</b>")
@@ -229,7 +231,9 @@ def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
         text = (f"<p>{span} Gates failing since step {failing[0]['step']}: {len(failing)} gate(s) could not run; the "
                 f"policy's state is that of the last gate that ran ({state}).</p><ul>{items}</ul>")
     else:
-        text = f"<p>Last gate: {span} {state}. {html.escape(str(last.get('action', '')))}</p>"
+        text = (f"<p>Last gate: {span} raised by <b>{html.escape(verdict.source)}</b>: {html.escape(verdict.reason)}"
+                f" (step {last['step']}; status {html.escape(str(last.get('status')))}, stage "
+                f"{html.escape(str(last.get('stage')))}). {html.escape(str(last.get('action', '')))}</p>")
     if cleared:
         items = "".join(f"<li>{html.escape(failed_gate_line(f))}</li>" for f in cleared)
         text += f"<p>{len(cleared)} earlier gate(s) could not run (cleared by a later gate):</p><ul>{items}</ul>"

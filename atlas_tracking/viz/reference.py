@@ -40,6 +40,7 @@ from atlas_tracking.schema import record as record_schema
 from atlas_tracking.schema import rollout as rollout_schema
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.record import METRIC_NAMES, VERDICT_CODES, Stage, Status, metric_fields
+from atlas_tracking.schema.verdict import code_legends
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -200,7 +201,11 @@ def line_fields(module: Any, sections: tuple[tuple[str, str], ...]) -> str:
 # --- tracker keys -------------------------------------------------------------------------------------
 
 DERIVED_METRICS = {
-    "status_code": "The status as a number: " + ", ".join(f"{s.value} {s.code}" for s in Status) + ".",
+    "verdict_code": "The gate's one verdict as a number, what the report's badge, MLflow's `atlas.verdict` and W&B's "
+    "`atlas/verdict` show (docs/policy.md#the-verdict): " + code_legends()["atlas/verdict_code"] + ".",
+    "status_code": "The receipt-level status (Table 11's reading of C2, occupancy and the objective) as a number: "
+    + ", ".join(f"{s.value} {s.code}" for s in Status) + ". Not the verdict: a YELLOW gate in `intervene` plots 2 "
+    "here and 3 in `verdict_code`.",
     "stage_code": "The stage as a number: " + ", ".join(f"{s.value} {s.code}" for s in Stage) + ".",
     "ov_cf_cliff_off_terminal": "1 when the dominant `ov_cf` cliff is not at the terminal routed layer, else 0.",
     "predicate/protected_rewrite": "Post-training: the protected-atlas rewrite predicate as a number: "

@@ -11,6 +11,7 @@ import pytest
 from atlas_tracking.integrations.lightning import AtlasCallback
 
 from atlas_tracking.artifacts.record import gate_metrics
+from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.testing.tiny import QUIET, tiny_canary, tiny_data, tiny_module
 
 STRICT = {**QUIET, "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0, "use_ci": False}}
@@ -126,7 +127,8 @@ def test_mlflow_server_fit_metrics_tags_artifacts(tmp_path, mlflow_server):
     assert sorted((m.step, round(m.value, 9)) for m in hist) == [(r["log_step"], round(r["c2"], 9)) for r in records]
     val_steps = sorted(m.step for m in client.get_metric_history(logger.run_id, "val_loss"))
     assert val_steps == [r["log_step"] for r in records[1:]] == [9, 19, 29]
-    assert run.data.tags["atlas.status"] == records[-1]["status"] and run.data.tags["atlas.stage"] == records[-1]["stage"]
+    assert run.data.tags["atlas.verdict"] == gate_verdict(records[-1]).level
+    assert run.data.tags["atlas.stage"] == records[-1]["stage"]
     assert run.data.tags["atlas.alert.title"].startswith("atlas:")
     gates = {a.path for a in client.list_artifacts(logger.run_id, "atlas/gates")}
     assert gates == {f"atlas/gates/step_{r['step']:08d}.json" for r in records}
@@ -292,11 +294,11 @@ def test_failed_gates_are_an_alarm_in_the_record_wandb_mlflow_and_the_report(tmp
     assert [(a["title"], a["level"]) for a in data["alerts"] if "failed" in a["title"]] == [
         ("atlas: gate failed at step 20", "ERROR"), ("atlas: gate failed at step 30", "ERROR")]
     summary = data["summary"]
-    assert (summary["atlas/status"], summary["atlas/failed_count"], summary["atlas/failed_first_step"],
+    assert (summary["atlas/verdict"], summary["atlas/failed_count"], summary["atlas/failed_first_step"],
             summary["atlas/failed_layers"]) == ("FAILED", 2, 20, NanRouter.LAYER)
 
     tags = MlflowClient(tracking_uri=mlflow_server.uri).get_run(mlflow_logger.run_id).data.tags
-    assert (tags["atlas.status"], tags["atlas.failed.count"], tags["atlas.failed.first_step"],
+    assert (tags["atlas.verdict"], tags["atlas.failed.count"], tags["atlas.failed.first_step"],
             tags["atlas.failed.last_step"], tags["atlas.failed.layers"]) == ("FAILED", "2", "20", "30", NanRouter.LAYER)
     assert tags["atlas.alert.level"] == tags["atlas.alert.max_level"] == "ERROR"
     assert tags["atlas.last_gate_step"] == "10"  # the last gate that ran, at the record's step
@@ -312,7 +314,6 @@ def test_a_gate_that_runs_again_clears_the_failed_state_and_keeps_the_stage(tmp_
     from lightning.pytorch.loggers import MLFlowLogger
     from mlflow.tracking import MlflowClient
 
-    from atlas_tracking.schema.record import badge
     from atlas_tracking.viz.html_report import write_report
 
     logger = MLFlowLogger(experiment_name="atlas-cleared", tracking_uri=mlflow_server.uri)
@@ -325,7 +326,7 @@ def test_a_gate_that_runs_again_clears_the_failed_state_and_keeps_the_stage(tmp_
     assert (cleared["level"], cleared["key"], cleared["failed"]["count"]) == ("INFO", "gate_failed_cleared", 2)
     assert "2 gate(s) could not run (steps 10..20" in cleared["text"]
     tags = MlflowClient(tracking_uri=mlflow_server.uri).get_run(logger.run_id).data.tags
-    assert tags["atlas.status"] == badge(last) and (tags["atlas.failed.count"], tags["atlas.failed.cleared_step"]) == (
+    assert tags["atlas.verdict"] == gate_verdict(last).level and (tags["atlas.failed.count"], tags["atlas.failed.cleared_step"]) == (
         "0", "30")
     # the gate at 30 enters revoked (WARN) after the ERRORs: the highest level since the baseline stays beside it
     assert last["stage"] == "revoked" and tags["atlas.alert.level"] == "WARN"
@@ -336,8 +337,9 @@ def test_a_gate_that_runs_again_clears_the_failed_state_and_keeps_the_stage(tmp_
 
 
 def test_an_intervene_gate_with_an_error_alert_is_red_in_the_tags_and_the_report(tmp_path, mlflow_server):
-    """The policy's own Table 3 sequence walks to intervene with status YELLOW and an ERROR alert: the badge, the
-    MLflow status tag and the report agree on RED, and a WARN after it does not hide the ERROR."""
+    """The policy's own Table 3 sequence walks to intervene with status YELLOW and an ERROR alert: the verdict tag,
+    the plotted verdict code and the report agree on RED raised by the stage, while ``atlas/status_code`` stays the
+    receipt status (YELLOW, 2); a WARN after it does not hide the ERROR."""
     from atlas_tracking.integrations.mlflow import MlflowSink
     from mlflow.tracking import MlflowClient
 
@@ -364,8 +366,11 @@ def test_an_intervene_gate_with_an_error_alert_is_red_in_the_tags_and_the_report
                     "wait_duration_s": 1.0})
     delivery.wait(60)
     tags = client.get_run(run_id).data.tags
-    assert (tags["atlas.status"], tags["atlas.stage"]) == ("RED", "intervene")
+    assert (tags["atlas.verdict"], tags["atlas.verdict.source"], tags["atlas.stage"]) == (
+        "RED", "stage intervene", "intervene")
+    codes = {key: client.get_metric_history(run_id, key)[-1].value for key in ("atlas/verdict_code", "atlas/status_code")}
+    assert codes == {"atlas/verdict_code": 3.0, "atlas/status_code": 2.0}
     assert (tags["atlas.alert.level"], tags["atlas.alert.max_level"], tags["atlas.alert.max_step"]) == (
         "WARN", "ERROR", "2000")
     page, _ = run_page(records, "t")
-    assert '">RED</span> step 2000 YELLOW, stage <b>intervene</b>' in page.split("<h2>")[0]
+    assert '">RED</span> raised by <b>stage intervene</b>' in page.split("<h2>")[0]

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from transformers import Trainer
 
 from atlas_tracking import Canary, CanaryError, ConfigError, NoRoutedLayersError
+from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.testing.trainer import (
     POST_TRAINING,
     finish_trackers,
@@ -59,7 +60,7 @@ def check_delivery(tmp_path, out, trainer, experiment: str = "atlas-trainer") ->
     eval_rows = {row[TRAINER_STEP_KEY]: row["eval/loss"] for row in run["history"] if "eval/loss" in row}
     assert eval_rows == evals  # the Trainer's own W&B integration wrote to the same run, at the same steps
     assert [a["title"] for a in run["alerts"]].count(f"atlas: {RULE}") == len(recs)
-    assert run["summary"]["atlas/status"] == recs[-1]["status"]
+    assert run["summary"]["atlas/verdict"] == gate_verdict(recs[-1]).level
     # the saved workspace's panels read keys this run holds, against the Trainer's x-axis
     keys = set().union(*(row.keys() for row in run["history"]))
     groups = tuple(recs[-1]["param_drift"]["groups"])  # the module groups this model's parameter drift names
@@ -72,7 +73,7 @@ def check_delivery(tmp_path, out, trainer, experiment: str = "atlas-trainer") ->
     history = client.get_metric_history(ml.info.run_id, "atlas/c2")
     assert [(m.step, m.value) for m in history] == [(r["step"], r["c2"]) for r in recs]
     assert {m.step for m in client.get_metric_history(ml.info.run_id, "eval_loss")} == set(evals)
-    assert ml.data.tags["atlas.status"] == recs[-1]["status"] and ml.data.tags["atlas.stage"] == recs[-1]["stage"]
+    assert ml.data.tags["atlas.verdict"] == gate_verdict(recs[-1]).level and ml.data.tags["atlas.stage"] == recs[-1]["stage"]
     assert ml.data.tags["atlas.alert.title"] == f"atlas: {RULE}"
     for rec in recs:
         path = client.download_artifacts(ml.info.run_id, f"atlas/gates/step_{rec['step']:08d}.json", str(tmp_path))
