@@ -5,14 +5,17 @@ default, and a stopped process is waited for that long without a word). Inside :
 :func:`checkpoint` first meets the other processes at a ``torch.distributed.monitored_barrier`` on a side gloo
 group (created once per process group, on the first checkpoint, with ``gate.collective_timeout_s`` as its
 timeout). Rank zero waits there for every other process and names those that do not arrive in time; the others
-wait for rank zero's answer. A process that does not arrive (stopped, exited, or stuck elsewhere) fails the gate on
-every process that can still speak with :class:`RanksUnresponsive`, naming the processes and the step; the gate's
-failure path records it (``errors.jsonl``, the alert, every tracker). The side group does not survive a failed
-barrier, so later checkpoints of the same process group raise at once, naming the same processes.
+wait for rank zero's answer. A process that had already exited, which gloo does not name, is named by the count of
+checkpoints each process writes to the process group's store on arrival. A process that does not arrive (stopped,
+exited, or stuck elsewhere) fails the gate on every process that can still speak with :class:`RanksUnresponsive`,
+naming the processes and the step; the gate's failure path records it (``errors.jsonl``, the alert, every tracker).
+The side group does not survive a failed barrier, so later checkpoints of the same process group raise at once,
+naming the same processes.
 
-Outside :func:`bounded`, in a single process, or with one process in the group, a checkpoint does nothing.
-Collectives the model makes inside its own forward (an expert-parallel exchange, a sharded parameter's gather) are
-the model's: the framework's process group bounds those (docs/distributed.md#a-stalled-or-dead-rank).
+Outside :func:`bounded`, in a single process, with one process in the group, or in a torch built without gloo, a
+checkpoint does nothing. Collectives the model makes inside its own forward (an expert-parallel exchange, a sharded
+parameter's gather) are the model's: the framework's process group bounds those
+(docs/distributed.md#a-stalled-or-dead-rank).
 
 Example (one process: nothing to wait for):
     >>> with bounded(5.0, step=10):
@@ -63,6 +66,8 @@ class _Side:
     group: Any
     timeout_s: float
     failed: RanksUnresponsive | None = None
+    count: int = 0
+    """Checkpoints this process has reached (the same sequence on every process: checkpoints are collective)."""
 
 
 _BOUND: contextvars.ContextVar[_Bound | None] = contextvars.ContextVar("atlas_collective_bound", default=None)
@@ -115,12 +120,28 @@ def _named(error: str) -> list[int] | None:
     return [int(r) for r in found.group(1).split(",") if r.strip()] if found else None
 
 
+def _key(rank: int) -> str:
+    return f"atlas_collectives/reached/{rank}"
+
+
+def _behind(side: _Side) -> list[int] | None:
+    """The processes that had not reached this checkpoint, from the count each wrote to the process group's store
+    on arrival: the names gloo does not give when a process had already exited (its connection is closed before
+    the barrier starts). None when the store cannot be read."""
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        return [r for r in range(1, torch.distributed.get_world_size())
+                if not store.check([_key(r)]) or int(store.get(_key(r))) < side.count]
+    except Exception:  # the store lives with the process group's launcher: it may be gone too
+        return None
+
+
 def checkpoint(what: str) -> None:
     """Before the collective ``what`` of a gate: every process meets at a monitored barrier first (inside
     :func:`bounded`, under ``torch.distributed`` with more than one process); raises :class:`RanksUnresponsive`
     when one does not arrive in time."""
     bound = _BOUND.get()
-    if bound is None or _world_size() == 1:
+    if bound is None or _world_size() == 1 or not torch.distributed.is_gloo_available():
         return
     rank = torch.distributed.get_rank()
     try:
@@ -130,11 +151,14 @@ def checkpoint(what: str) -> None:
     if side.failed is not None:
         raise RanksUnresponsive(f"{side.failed} (earlier); the gate's collectives are not attempted again in this "
                                 f"process group ({what} at step {bound.step})", side.failed.ranks, bound.step)
+    side.count += 1
     try:
+        torch.distributed.distributed_c10d._get_default_store().set(_key(rank), str(side.count))
         torch.distributed.monitored_barrier(group=side.group, timeout=datetime.timedelta(seconds=bound.timeout_s),
                                             wait_all_ranks=True)
     except RuntimeError as exc:
-        side.failed = _unresponsive(_named(str(exc)) if rank == 0 else None, rank, bound, what, str(exc))
+        ranks = (_named(str(exc)) or _behind(side)) if rank == 0 else None
+        side.failed = _unresponsive(ranks, rank, bound, what, str(exc))
         raise side.failed from exc
 
 

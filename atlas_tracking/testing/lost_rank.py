@@ -2,9 +2,10 @@
 
 Every rank runs the step-0 baseline and a gate at step 10 through :class:`~atlas_tracking.callbacks.ValidationGates`
 (the failure path a framework's callback takes) with ``gate.collective_timeout_s`` = ``timeout_s``; rank 1 stops
-itself, or exits, in the first canary forward of gate 10. Rank zero returns the seconds from the start of gate 10
-until it returned, what the gate returned and the lines of ``errors.jsonl``; then it wakes a stopped rank 1
-(SIGCONT), which finishes its own failed gate and returns the same.
+itself, or exits (rank zero's forward then takes a second longer, so that rank 1 is gone before rank zero reaches
+the next collective), in the first canary forward of gate 10, and every rank then tries gate 20. Rank zero returns the
+seconds each of gates 10 and 20 took, what they returned and the lines of ``errors.jsonl``; then it wakes a stopped
+rank 1 (SIGCONT), which finishes its own failed gates and returns the same.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def gate_with_a_lost_rank(rank: int, world: int, how: str, timeout_s: float) -> 
     armed = [False]
 
     def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
-        if armed[0] and rank == 1:
+        if armed[0]:
             armed[0] = False
-            if how == "stop":
+            if rank == 1 and how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            else:
+            elif rank == 1:
                 os._exit(0)
+            elif how == "exit":  # rank 1 is gone before rank zero reaches the next collective: gloo names no rank
+                time.sleep(1.0)
         return default_forward(model, ids)
 
     config = {"receipts": {"progress": False, "batch_windows": 2, "n_bootstrap": 50, "anchors": 16},
@@ -50,8 +53,12 @@ def gate_with_a_lost_rank(rank: int, world: int, how: str, timeout_s: float) -> 
     t0 = time.perf_counter()
     second = gates.run(10, 3.0)
     seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    third = gates.run(20, 2.9)  # the side group did not survive: named again at once
+    again = time.perf_counter() - t0
     errors = Path(box[0], "errors.jsonl")
     lines = [json.loads(line) for line in errors.read_text().splitlines()] if errors.exists() else []
     if rank == 0 and how == "stop":
         os.kill(pids[1], signal.SIGCONT)
-    return {"first": first["status"] if first else None, "second": second, "seconds": seconds, "errors": lines}
+    return {"first": first["status"] if first else None, "second": second, "seconds": seconds, "third": third,
+            "again": again, "errors": lines}

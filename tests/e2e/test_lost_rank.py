@@ -19,14 +19,17 @@ TIMEOUT_S = 5.0
 def test_a_lost_rank_is_named_by_rank_zero_within_the_timeout(how):
     zero, one = run_workers(gate_with_a_lost_rank, 2, how, TIMEOUT_S, timeout=120, lost=(1,))
     assert zero["first"] == "BASELINE" and zero["second"] is None  # gate 10 failed and training goes on
-    [line] = zero["errors"]
+    line, again = zero["errors"]
     assert line["step"] == 10 and line["alerts"][0]["level"] == "ERROR"
     assert line["error"].startswith("RanksUnresponsive: rank 1 did not reach the gate's collective"), line["error"]
     assert "at step 10 within gate.collective_timeout_s = 5 s" in line["error"]
     # a stopped process is waited for the bound and no longer; an exited one is named at once
     low, high = (TIMEOUT_S - 0.5, TIMEOUT_S + 5.0) if how == "stop" else (0.0, TIMEOUT_S)
     assert low <= zero["seconds"] <= high, zero["seconds"]
-    if how == "stop":  # woken after rank zero gave up: its own gate fails too, it does not hang
-        assert one["second"] is None
+    # the next gate does not wait again: it fails at once, naming the same process
+    assert zero["third"] is None and zero["again"] < 1.0, zero["again"]
+    assert again["step"] == 20 and again["error"].startswith("RanksUnresponsive: rank 1 did not reach"), again
+    if how == "stop":  # woken after rank zero gave up: its own gates fail too, it does not hang
+        assert one["second"] is None and one["third"] is None
     else:
         assert one is None
