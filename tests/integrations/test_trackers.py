@@ -221,7 +221,7 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
     summary = ["atlas/c2", "atlas/c2_min", "atlas/c2_protected", "atlas/dead_experts", "atlas/dead_experts_max",
                "atlas/experts_active", "atlas/min_entropy", "atlas/mean_entropy", "atlas/mean_cv_pct", "atlas/max_cv_pct",
                "atlas/margin", "atlas/ov_cf", "atlas/transition_incompat", "atlas/canary_nll",
-               "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code",
+               "atlas/v2_c1_pass_layers", "atlas/v2_c2_pass_layers", "atlas/status_code", "atlas/stage_code", "atlas/verdict_code",
                "atlas/gate_seconds", "atlas/ov_cf_terminal_jump", "atlas/ov_cf_adjacent_jump",
                "atlas/ov_cf_cliff_off_terminal", "atlas/near_tie_bf16", "atlas/near_tie_bf16_max", "atlas/near_tie_fp16",
                "atlas/near_tie_fp16_max"]
