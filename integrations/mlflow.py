@@ -7,7 +7,6 @@ one verdict, :func:`~atlas_tracking.schema.verdict.gate_verdict`, plotted as ``a
 ``atlas/report.html`` (the run's report, rewritten at every gate), ``atlas/gates/step_N.json`` and the alerts table.
 The coded metrics' legends are params ``atlas.legend.<metric>`` (docs/trackers.md#mlflow).
 
-
 ``MlflowSink`` works with a Lightning ``MLFlowLogger`` (its ``experiment`` is an ``MlflowClient``)
 or an explicit client and run id. Errors (a tracking server that is down) propagate, so that
 :class:`atlas_tracking.sinks.delivery.Delivery` keeps the items and replays them when the server is back.
@@ -27,7 +26,14 @@ from atlas_tracking.schema.record import ALERT_LEVELS
 from atlas_tracking.schema.verdict import LEVEL_CODES, code_legends, failed_event_verdict, gate_verdict
 from atlas_tracking.sinks.figures import FigureGuard
 from atlas_tracking.viz.alerts_table import alerts_page
-from atlas_tracking.viz.figures import TRAIN_LOAD, fig_c2_heatmap, fig_expert_load, fig_layer_c2, pyplot
+from atlas_tracking.viz.figures import (
+    TRAIN_LOAD,
+    c2_change_row,
+    fig_c2_heatmap,
+    fig_expert_load,
+    fig_layer_c2,
+    pyplot,
+)
 from atlas_tracking.viz.html_report import run_page
 from atlas_tracking.viz.tables import top1
 
@@ -54,8 +60,6 @@ def tag_text(text: str, limit: int = TAG_CHARS, clause: bool = True) -> str:
     if len(first) <= limit:
         return first
     return first[: limit - 1].rsplit(" ", 1)[0] + " …"
-
-
 
 
 def mlflow_key(key: str) -> str:
@@ -142,7 +146,7 @@ class MlflowSink:
         self.client.log_text(self.run_id, json.dumps(record, indent=1, allow_nan=False),
                              f"atlas/gates/step_{int(record['step']):08d}.json")
         layers = record.get("layers", [])
-        self._c2_history.append((gate_step, [lay.get("c2") for lay in layers]))
+        self._c2_history.append((gate_step, c2_change_row(record)))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
         if self.figures and layers and not top1(record):  # top-1 routing: no C2 to draw
             for figure, draw, name in (

@@ -21,7 +21,7 @@ from atlas_tracking.receipts.experts import OVERLOAD_FACTOR, expert_shares, shar
 from atlas_tracking.schema.record import FAILED
 from atlas_tracking.schema.verdict import Verdict, failed_event_verdict, gate_verdict
 from atlas_tracking.sinks.figures import FigureGuard
-from atlas_tracking.viz.figures import TRAIN_LOAD, fig_c2_heatmap, fig_expert_load, png_bytes
+from atlas_tracking.viz.figures import TRAIN_LOAD, c2_change_row, fig_c2_heatmap, fig_expert_load, png_bytes
 from atlas_tracking.viz.tables import top1
 
 TABLE_COLUMNS = ("layer", "ordinal", "protected", "c2", "dead_experts", "router_entropy", "load_cv", "margin_mean",
@@ -113,7 +113,7 @@ class WandbSink:
                                                                  record.get("status"), record.get("stage"),
                                                                  record.get("action")]])
         payload["atlas/gate"] = status
-        self._history.append((gate_step, [lay.get("c2") for lay in layers]))
+        self._history.append((gate_step, c2_change_row(record)))
         self._layer_names = [lay.get("name") for lay in layers] or self._layer_names
         if self.heatmap and layers and not top1(record):
             image = self._figures.draw("C2 heatmap", lambda: wandb.Image(self._heatmap_png(), caption="C2: layers x gates"))

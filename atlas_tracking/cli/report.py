@@ -33,7 +33,7 @@ def default_out(source: str | Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = write_report(args.source, args.out or default_out(args.source), args.png_dir)
+    path = write_report(args.source, args.out or default_out(args.source), args.png_dir, args.docs_url)
     print(f"wrote {path}")
     if Path(args.source).suffix not in FORMS:
         for line in missing_lines(missing_references(args.source)):
@@ -48,4 +48,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help=f"HTML file to write (default: {REPORT} beside the run's gates.jsonl, e.g. "
                    f"RUN/atlas/{REPORT}; for a receipts artifact, its name with .html)")
     p.add_argument("--png-dir", help="also write the figures as PNG files here")
+    p.add_argument("--docs-url", help="base URL of the documentation site the report's links point to (default: "
+                   "$ATLAS_DOCS_URL, else the checkout's built site/ or docs/; docs/cli.md#report)")
     p.set_defaults(func=run)

@@ -26,7 +26,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from atlas_tracking.decisions.interventions import RECIPES
 from atlas_tracking.decisions.phases import (
     PHASES,
     collapse_reasons,
@@ -48,6 +47,7 @@ from atlas_tracking.decisions.sentences import (
     unlicensed,
 )
 from atlas_tracking.schema.config import DIRECTIONS, AtlasConfig, PolicyConfig
+from atlas_tracking.schema.interventions import RECIPES
 from atlas_tracking.schema.record import DELTA_FIELDS, GateDecision, Phase, Stage, Status
 
 RULES = {

@@ -82,7 +82,7 @@ def fig_layer_c2(layers: list[dict[str, Any]], title: str, key: str = "c2"):
     fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(layers) + 1)))
     values = [lay.get(key) or 0.0 for lay in layers]
     palette = {"early": "#5dade2", "protected": "#e67e22", "late": "#8e44ad", "unprotected": "#95a5a6"}
-    ax.barh([f"{g}: {lay.get('name')}" for g, lay in zip(groups, layers)], values,
+    ax.barh([f"{g}: {layer_label(lay)}" for g, lay in zip(groups, layers)], values,
             color=[palette[g] for g in groups])
     ax.axvline(0, color="black", lw=0.6)
     ax.invert_yaxis()
@@ -114,19 +114,31 @@ def fig_timeline(recs: list[dict[str, Any]]):
     return fig
 
 
-def fig_c2_heatmap(history: list[tuple[int, list[float | None]]], layer_names: list[str]):
-    """Layers x gates heatmap of C2 (rows: layers, columns: gate steps)."""
-    import numpy as np
+def c2_change_row(record: dict[str, Any]) -> list[float | None]:
+    """A gate's per-layer C2 change since its baseline (``c2_delta``), the heatmap's column: 0 at a baseline gate
+    (its own reference), None where the gate recorded no change.
 
+    >>> c2_change_row({"status": "BASELINE", "layers": [{"c2": 0.2}]}), c2_change_row({"layers": [{"c2_delta": -0.1}]})
+    ([0.0], [-0.1])
+    """
+    base = record.get("status") == Status.BASELINE
+    return [0.0 if base and lay.get("c2") is not None else lay.get("c2_delta") for lay in record.get("layers", [])]
+
+
+def fig_c2_heatmap(history: list[tuple[int, list[float | None]]], layer_names: list[str]):
+    """Layers x gates heatmap of each layer's C2 change since the baseline (rows: layers, columns: gate steps),
+    on a diverging scale symmetric about zero: red is a fall (less compatible), blue a rise, white no change."""
     plt = pyplot()
     width = max(len(v) for _, v in history)
     grid = np.array([[np.nan if x is None else x for x in v] + [np.nan] * (width - len(v)) for _, v in history]).T
+    bound = max(float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0, 1e-9)
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(history) + 2), max(2.5, 0.3 * width + 1)))
-    im = ax.imshow(grid, aspect="auto", cmap="RdYlGn", interpolation="nearest")
+    im = ax.imshow(grid, aspect="auto", cmap="RdBu", vmin=-bound, vmax=bound, interpolation="nearest")
     ax.set_xticks(range(len(history)), [str(s) for s, _ in history], fontsize=7)
     ax.set_yticks(range(width), layer_names[:width], fontsize=7)
     ax.set_xlabel("gate step")
-    fig.colorbar(im, ax=ax, label="C2")
+    ax.set_title("C2 change since the baseline (layers x gates; 0 = no change)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="C2 now minus at the baseline")
     return fig
 
 
@@ -173,6 +185,28 @@ def fig_expert_load(layers: list[dict[str, Any]], step: int, what: str = "Expert
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax)
     fig.suptitle(f"{what} at step {step} (layers x experts)", fontsize=10)
+    return fig
+
+
+def fig_expert_change(layers: list[dict[str, Any]], step: int):
+    """One layers x experts picture of a gate for the report's first screen: the change of each expert's share
+    since the baseline on a diverging scale (red: fewer routes, blue: more; each layer's share without a baseline),
+    dead experts marked x."""
+    plt = pyplot()
+    labels, share, delta = expert_grids(layers)
+    grid, title = (share, "share of the layer's routes") if delta is None else (delta, "share change since the baseline")
+    bound = max(float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 0.0, 1e-9)
+    fig, ax = plt.subplots(figsize=(5.4, max(1.9, 0.28 * len(labels) + 1.2)), layout="constrained")
+    im = ax.imshow(grid, aspect="auto", cmap="RdBu" if delta is not None else "viridis",
+                   vmin=-bound if delta is not None else 0.0, vmax=bound, interpolation="nearest")
+    rows, cols = np.nonzero(share == 0)
+    ax.scatter(cols, rows, marker="x", s=14, color="black", lw=0.8, gid="dead", label="dead expert")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ticks = list(range(0, share.shape[1], max(1, share.shape[1] // 16)))
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("expert", fontsize=8)
+    ax.set_title(f"Expert load at step {step}: {title} (x: dead)", fontsize=8)
+    fig.colorbar(im, ax=ax).ax.tick_params(labelsize=7)
     return fig
 
 

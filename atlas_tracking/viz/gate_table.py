@@ -1,5 +1,6 @@
-"""A run's gates for the terminal: one row per gate, the training-batch load between them, the failed gates, and
-what each tracker still lacks.
+"""A run's gates for the terminal: the last gate's verdict, where and what to do first
+(:func:`~atlas_tracking.viz.first_screen.first_lines`), then one row per gate, the training-batch load between them,
+the failed gates, and what each tracker still lacks.
 
 :func:`gate_table` is the table (``ref`` is the step the deltas are against: the baseline, or the
 previous gate in pretraining); :func:`run_gates` reads a run directory into the rows, the intervals of
@@ -18,6 +19,10 @@ Example:
     >>> append_line(d / "delivered.jsonl", {"step": 0, "branch": "a", "sink": "wandb", "run": "r1"})
     >>> append_line(d / "errors.jsonl", {"step": 20, "branch": "a", "error": "RuntimeError: out of memory"})
     >>> print(format_run_gates(run_gates(d)))  # doctest: +NORMALIZE_WHITESPACE
+    verdict: GREEN at step 10 (status GREEN, stage clean)
+    where: no routed layer recorded
+    what to do: nothing asked at this gate
+    <BLANKLINE>
     step  loss  c2      dc2  dead  minH  cv  nll  ref  phase          verdict  status  stage  ready  alerts
     ----  ----  ------  ---  ----  ----  --  ---  ---  -------------  -------  ------  -----  -----  ------
     0     -     0.0500  -    -     -     -   -    -    post_training  GREEN    GREEN   clean  -      -
@@ -37,6 +42,7 @@ from atlas_tracking.artifacts.history import gates_file, key, read_history, read
 from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.artifacts.run_dir import RunDir
 from atlas_tracking.schema.verdict import gate_verdict
+from atlas_tracking.viz.first_screen import first_lines
 from atlas_tracking.viz.tables import c2_cell, format_table, top1
 from atlas_tracking.viz.train_load import format_load, load_view
 
@@ -86,13 +92,15 @@ def run_gates(path: str | Path) -> dict[str, Any]:
     run = RunDir(file.parent)
     history = read_history(file)
     failed = [{"step": e["step"], "branch": e.get("branch"), "error": e.get("error")} for e in read_lines(run.errors)]
-    return {"gates_file": str(file), "header": HEADER, "rows": [_row(r) for r in history],
+    return {"gates_file": str(file), "first": first_lines(history[-1]) if history else [], "header": HEADER,
+            "rows": [_row(r) for r in history],
             "load": load_view(read_load(file.parent), history), "failed": failed, "backlog": backlog(run, history)}
 
 
 def format_run_gates(summary: dict[str, Any]) -> str:
     """The text ``atlas-tracking gates`` prints for :func:`run_gates`' answer."""
-    lines = [format_table(summary["header"], summary["rows"])]
+    lines = [*summary["first"], ""] if summary.get("first") else []
+    lines.append(format_table(summary["header"], summary["rows"]))
     if summary.get("load"):
         lines += format_load(summary["load"])
     if summary["failed"]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,13 @@ from atlas_tracking.schema.load import SUMMARY_KEYS
 from atlas_tracking.schema.record import FAILED
 from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.viz.coupling import coupling_section
+from atlas_tracking.viz.docs_links import DocsLinks
 from atlas_tracking.viz.figures import (
     STATUS_COLORS,
     TRAIN_LOAD,
+    c2_change_row,
     fig_c2_heatmap,
+    fig_expert_change,
     fig_expert_load,
     fig_layer_c2,
     fig_loss_c2,
@@ -51,6 +55,7 @@ from atlas_tracking.viz.figures import (
     fig_train_load,
     png_bytes,
 )
+from atlas_tracking.viz.first_screen import intervention_html, name_layers, worst_table
 from atlas_tracking.viz.rollout import LAYER_HEADER, fig_rollout, first_mismatch_rows, layer_rows
 from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
 from atlas_tracking.viz.train_load import load_view
@@ -71,6 +76,11 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+HEATMAP_NOTE = ("Each layer's C2 change since its gate's baseline (C2 now minus at the baseline; 0 at a baseline "
+                "gate): red where co-active experts became less compatible, blue where more, white where nothing "
+                "changed, so a protected layer at its own baseline reads white.")
+"""What the report says above the layers x gates heatmap."""
+
 TOP1_NOTE = ("top-1 routing has no co-active pairs, so C2 and its changes are absent; occupancy, State1, drift and "
              "State3 carry the read (docs/policy.md#top-1-routing).")
 """What the report says where a C2 figure would be at top-1 routing."""
@@ -78,10 +88,16 @@ TOP1_NOTE = ("top-1 routing has no co-active pairs, so C2 and its changes are ab
 BADGE_COLORS = {**{s.value: c for s, c in STATUS_COLORS.items()}, FAILED: "#6c1010"}
 """The badge's colour per verdict level (:func:`~atlas_tracking.schema.verdict.gate_verdict`)."""
 
-CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
+CSS = """body{font-family:system-ui,sans-serif;margin:1em 2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}
 th{background:#f4f4f4}img{max-width:100%;display:block;margin:1em 0}.claims li{margin:.2em 0}
-.status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}"""
+.status{font-weight:bold;padding:2px 6px;border-radius:3px;color:white}
+#first-screen h1{margin:.2em 0}#first-screen h2{font-size:1.1em;margin:.6em 0 .2em}#first-screen p{margin:.3em 0}
+.where{display:flex;gap:1em;align-items:flex-start}.where table{margin:0;flex:0 0 auto}
+.where .pic{flex:1 1 0;min-width:0}.where img{margin:0;width:100%;height:auto}.layer{border-bottom:1px dotted #777}code.module{font-size:10px;color:#666}
+.tag{font-size:10px;background:#e67e22;color:white;border-radius:3px;padding:0 3px}
+.recipes{display:grid;grid-template-columns:1fr 1fr;gap:.3em .8em;margin-top:.3em}
+.recipe pre{font-size:10.5px;background:#f6f6f6;padding:3px 5px;margin:.1em 0;white-space:pre-wrap}"""
 
 
 NEAR_TIE_HEADER = [f"near-tie {name}" for name in NEAR_TIE_DTYPES]
@@ -242,18 +258,18 @@ def opening(last: dict[str, Any], failures: list[dict[str, Any]]) -> str:
 
 def summary_rows(last: dict[str, Any]) -> list[list[Any]]:
     """The last interval's bounded summary (:func:`~atlas_tracking.viz.train_load.last_summary`) as table rows:
-    field, tracker key, value; the worst layer's row names it.
+    field, tracker key, value; the worst layer's row names its module (shown as ``layer N`` by :func:`finish`).
 
     >>> for row in summary_rows({"worst_layer": 3, "worst_layer_name": "model.layers.3.mlp", "load_cv_max": 0.5}):
     ...     print(row)
     ['load_cv_max', 'atlas/train/load_cv_max', 0.5]
-    ['worst_layer', 'atlas/train/worst_layer', '3 (model.layers.3.mlp)']
+    ['worst_layer', 'atlas/train/worst_layer', 'model.layers.3.mlp']
     """
     rows = []
     for field, key in SUMMARY_KEYS.items():
         value = last.get(field)
         if field == "worst_layer" and value is not None:
-            value = f"{value} ({last.get('worst_layer_name')})"
+            value = last.get("worst_layer_name") or f"layer {value}"
         if value is not None:
             rows.append([field, key, value])
     return rows
@@ -336,15 +352,108 @@ positions at the last; routes {replay} in the update (rollout.jsonl; docs/rollou
     return text, figures
 
 
+def why_html(last: dict[str, Any]) -> str:
+    """Why the gate reads as it does: its interpretation, the rule its stage follows and the predicates that fail."""
+    parts = [f"<i>{html.escape(str(last.get('interpretation') or ''))}</i>"] if last.get("interpretation") else []
+    if last.get("rule"):
+        parts.append(f"Rule: {html.escape(last['rule'])}.")
+    failing = [f"{name.replace('_', ' ')} fails ({entry.get('reason')})"
+               for name, entry in (last.get("predicates") or {}).items() if entry.get("verdict") == "fail"]
+    parts += [f"{html.escape(text)}." for text in failing]
+    return f'<p class="why"><b>Why:</b> {" ".join(parts) or "-"}</p>'
+
+
+TAG = re.compile(r"(<[^>]*>)")
+RAW = ("a", "pre", "code", "style", "title")
+"""Elements whose text :func:`finish` leaves as it is (links already, configuration lines, module paths)."""
+
+
+def finish(body: str, layers: list[dict[str, Any]], links: DocsLinks) -> str:
+    """A page body with, in its text outside links and code, each docs reference and table row a link
+    (:class:`~atlas_tracking.viz.docs_links.DocsLinks`) and each module path of a routed layer named by the
+    model's layer number with the path on hover (:func:`~atlas_tracking.viz.first_screen.name_layers`).
+
+    >>> links = DocsLinks("https://d.example/")
+    >>> finish("<p>see docs/policy.md#the-judge; model.layers.1.mlp</p><pre>model.layers.1.mlp</pre>",
+    ...        [{"name": "model.layers.1.mlp", "index": 1}], links)  # doctest: +NORMALIZE_WHITESPACE
+    '<p>see <a href="https://d.example/policy/#the-judge">docs/policy.md#the-judge</a>;
+     <span class="layer" title="model.layers.1.mlp">layer 1</span></p><pre>model.layers.1.mlp</pre>'
+    """
+    def keep(part: str) -> str:
+        return part
+
+    out, raw = [], 0
+    for part in TAG.split(body):
+        if part.startswith("<"):
+            name = part.strip("</>").split()[0].lower() if part.strip("</>") else ""
+            if name in RAW and not part.endswith("/>"):
+                raw += -1 if part.startswith("</") else 1
+            out.append(part)
+        elif raw or not part:
+            out.append(part)
+        else:
+            out.append(links.linked(part, escape=lambda text: name_layers(text, layers, escape=keep)))
+    return "".join(out)
+
+
+def first_screen(last: dict[str, Any], title: str, failures: list[dict[str, Any]], change_png: bytes,
+                 links: DocsLinks) -> str:
+    """The report's first screen (``<section id="first-screen">``), in order: the verdict and why, the worst
+    layers with the layers x experts picture beside them, and the first intervention with its lines."""
+    return f"""<section id="first-screen"><h1>{html.escape(title)}</h1>
+{opening(last, failures)}
+{why_html(last)}
+<h2 id="where">Where: the worst layers at step {last['step']}</h2>
+<div class="where">{worst_table(last)}<div class="pic">{_img(change_png, 'expert load change: layers x experts')}</div></div>
+<h2 id="what-to-do">What to do</h2>{intervention_html(last, links)}
+</section>"""
+
+
+def cliff_html(last: dict[str, Any]) -> str:
+    """The terminal cliff with its unit and meaning: the ``ov_cf`` profile per layer and the jumps."""
+    layers = sorted(last.get("layers", []), key=lambda lay: lay.get("ordinal", 0))
+    profile = [lay.get("ov_cf") for lay in layers]
+    table = _table(["", *[layer_label(lay) for lay in layers]], [["ov_cf (share of k kept)", *profile]])
+    return (f"<p>{html.escape(CLIFF_NOTE)}</p>{table}<p>{html.escape(cliff_text(last, profile))}</p>")
+
+
+def drift_html(drift: dict[str, Any] | None) -> str:
+    """Parameter drift per module group with its unit and meaning (or why there is none)."""
+    if not drift:
+        return "<p>No parameter drift recorded (a baseline gate, or gate.param_drift off).</p>"
+    rows = [[group, f"{e['moved']:,} of {e['count']:,}", e.get("relative_distance"),
+             "frozen" if e["moved"] == 0 else "moved"] for group, e in {**drift["groups"], "total": drift["total"]}.items()]
+    return (f"<p>{html.escape(DRIFT_NOTE)} Since step {drift.get('reference_step', '-')}.</p>"
+            + _table(["group", "parameters moved (of all)", "relative L2 distance", "reading"], rows)
+            + f"<p><code>{html.escape(drift_line(drift))}</code></p>")
+
+
+CLIFF_NOTE = ("ov_cf: the share of a token's k experts its router keeps after its own layer's update (0 to 1; 1: "
+              "keeps all). The terminal jump is the last routed layer's ov_cf minus the mean of the band before it, "
+              "in the same unit: negative is a cliff, the drop the last layer typically shows "
+              "(docs/receipts.md#terminal-cliff).")
+"""What the report says above the terminal cliff."""
+
+DRIFT_NOTE = ("How far each parameter group moved from the weights kept at the baseline: the relative L2 distance "
+              "||theta - theta_ref|| / ||theta_ref|| (0: unchanged; 1: moved as far as its own norm) and how many "
+              "parameters differ at all. The secondary surface, read beside the atlas drift "
+              "(docs/receipts.md#parameter-drift).")
+"""What the report says above the parameter drift."""
+
+
 def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, Any]] = (),
-             load: list[dict[str, Any]] = (), rollout: list[dict[str, Any]] = ()) -> tuple[str, dict[str, bytes]]:
+             load: list[dict[str, Any]] = (), rollout: list[dict[str, Any]] = (),
+             docs_url: str | None = None) -> tuple[str, dict[str, bytes]]:
     """The HTML page and its figures for a run's gate records, its failed gates (``errors.jsonl``), its
-    training-batch load intervals (``load.jsonl``) and its rollout agreement (``rollout.jsonl``)."""
+    training-batch load intervals (``load.jsonl``) and its rollout agreement (``rollout.jsonl``); docs links
+    point under ``docs_url`` (:class:`~atlas_tracking.viz.docs_links.DocsLinks`)."""
     last = recs[-1]
+    links = DocsLinks.resolve(docs_url)
     figures = {
         "loss_c2.png": png_bytes(fig_loss_c2(recs)),
         "occupancy.png": png_bytes(fig_occupancy(recs)),
         "expert_load.png": png_bytes(fig_expert_load(last.get("layers", []), last["step"])),
+        "expert_change.png": png_bytes(fig_expert_change(last.get("layers", []), last["step"])),
         "stage_timeline.png": png_bytes(fig_timeline(recs)),
     }
     if not top1(last):
@@ -354,13 +463,13 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
             "layer_c2_delta.png": png_bytes(fig_layer_c2(
                 last.get("layers", []), f"Per-layer change of C2 since the baseline (step {last.get('baseline_step')})",
                 key="c2_delta")),
-            "c2_heatmap.png": png_bytes(fig_c2_heatmap(
-                [(r["step"], [lay.get("c2") for lay in r.get("layers", [])]) for r in recs],
-                [layer_label(lay) for lay in last.get("layers", [])])),
+            "c2_heatmap.png": png_bytes(fig_c2_heatmap([(r["step"], c2_change_row(r)) for r in recs],
+                                                       [layer_label(lay) for lay in last.get("layers", [])])),
         })
         layer_c2 = (f"{_img(figures['layer_c2.png'], 'per-layer C2')}\n"
                     f"{_img(figures['layer_c2_delta.png'], 'per-layer change of C2 since the baseline')}")
-        heatmap = _img(figures["c2_heatmap.png"], "C2 heatmap: layers x gates")
+        heatmap = (f"<p>{html.escape(HEATMAP_NOTE)}</p>"
+                   + _img(figures["c2_heatmap.png"], "C2 heatmap: layers x gates"))
     else:
         layer_c2 = heatmap = f"<p>{NA_TOP1}: {html.escape(TOP1_NOTE)}</p>"
     rows = [[r["step"], r.get("loss"), c2_cell(r.get("c2"), top1(r)), r.get("dead_experts"), r.get("min_entropy"), r.get("mean_cv"),
@@ -374,9 +483,7 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
     figures.update(rollout_figures)
     coupling_html, coupling_figures = coupling_section(last, _img)
     figures.update(coupling_figures)
-    body = f"""<h1>{html.escape(title)}</h1>
-{opening(last, list(failures))}
-<p><i>{html.escape(str(last.get('interpretation', '')))}</i></p>
+    body = f"""{first_screen(last, title, list(failures), figures['expert_change.png'], links)}
 <h2>Verdicts (last gate)</h2><ul>{''.join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(last))}</ul>
 <h2>Loss and C2</h2>{_img(figures['loss_c2.png'], 'loss and C2 against step')}
 <h2>Occupancy per layer</h2>{_img(figures['occupancy.png'], 'dead experts, load CV and router entropy per layer')}
@@ -386,16 +493,14 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
 {coupling_html}
 {load_html}{rollout_html}<h2>Per-layer C2 (last gate)</h2>{layer_c2}
 <h2>C2: layers x gates</h2>{heatmap}
-<h2>Terminal cliff (last gate)</h2><p>{html.escape(cliff_text(last, [lay.get('ov_cf') for lay in
-sorted(last.get('layers', []), key=lambda lay: lay.get('ordinal', 0))]))}</p>
+<h2>Terminal cliff (last gate)</h2>{cliff_html(last)}
 <h2>State1: near-tie mass (last gate)</h2><p>{html.escape(NEAR_TIE_NOTE)}</p>{near_tie_table(last.get('layers', []))}
-<h2>Parameter drift (last gate, the secondary surface)</h2><p>{html.escape(drift_line(last['param_drift'])
-if last.get('param_drift') else 'no parameter drift recorded (a baseline gate, or gate.param_drift off).')}</p>
+<h2>Parameter drift (last gate, the secondary surface)</h2>{drift_html(last.get('param_drift'))}
 <h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
 <h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
-<b>Not licensed</b><ul>{unlicensed}</ul><b>First intervention:</b> {html.escape(str(last.get('intervention')))}</div>
+<b>Not licensed</b><ul>{unlicensed}</ul>First intervention: <a href="#what-to-do">on the first screen</a>.</div>
 <h2>Gates</h2>{_table(['step', 'loss', 'c2', 'dead', 'min H', 'cv', 'margin', 'status', 'stage', 'alerts'], rows)}"""
-    return _page(title, body), figures
+    return _page(title, finish(body, last.get("layers", []), links)), figures
 
 
 def receipts_page(data: dict[str, Any], title: str) -> tuple[str, dict[str, bytes]]:
@@ -420,9 +525,10 @@ def _page(title: str, body: str) -> str:
             f"<style>{CSS}</style></head><body>{body}</body></html>")
 
 
-def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None) -> Path:
+def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None = None,
+                 docs_url: str | None = None) -> Path:
     """Write the HTML report for a run directory or a receipts artifact (``.json`` or ``.safetensors``; and the
-    PNGs when asked)."""
+    PNGs when asked); its docs links point under ``docs_url`` (:class:`~atlas_tracking.viz.docs_links.DocsLinks`)."""
     source = Path(source)
     if source.suffix in FORMS:  # a receipts artifact in either form, also one that is gone (its error says why)
         page, figures = receipts_page(read_artifact(source), f"atlas receipts: {source.name}")
@@ -430,7 +536,7 @@ def write_report(source: str | Path, out: str | Path, png_dir: str | Path | None
         errors = gates_file(source).with_name(ERRORS)
         page, figures = run_page(read_history(source), f"atlas run: {source.name}",
                                  read_lines(errors) if errors.is_file() else [], read_load(errors.parent),
-                                 read_rollout(errors.parent))
+                                 read_rollout(errors.parent), docs_url)
     if png_dir is not None:
         png_dir = Path(png_dir)
         png_dir.mkdir(parents=True, exist_ok=True)

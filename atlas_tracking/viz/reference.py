@@ -39,6 +39,7 @@ from atlas_tracking.schema import load as load_schema
 from atlas_tracking.schema import record as record_schema
 from atlas_tracking.schema import rollout as rollout_schema
 from atlas_tracking.schema.config import AtlasConfig
+from atlas_tracking.schema.interventions import recipes_table
 from atlas_tracking.schema.record import METRIC_NAMES, VERDICT_CODES, Stage, Status, metric_fields
 from atlas_tracking.schema.verdict import code_legends
 
@@ -351,6 +352,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "rollout-fields": rollout_fields,
     "tracker-keys": tracker_keys,
     "families": families,
+    "interventions": recipes_table,
 }
 """Placeholder name -> the function that makes its Markdown."""
 

@@ -301,3 +301,19 @@ def test_report_renders_in_headless_chromium(demo_out, tmp_path):
     for png in ("loss_c2.png", "occupancy.png", "expert_load.png", "layer_c2.png", "layer_c2_delta.png",
                 "c2_heatmap.png", "stage_timeline.png"):
         assert (demo_out / "stressed" / "figures" / png).stat().st_size > 5000
+
+
+def test_stressed_report_answers_where_and_what_within_the_top_900_px(demo_out, tmp_path):
+    """Playwright with the system Chromium: the verdict, the worst-layer table with its layers x experts picture
+    beside it, and the first intervention with its configuration lines all lie within the top 900 px."""
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")
+    from atlas_tracking.testing.browser import CHROMIUM, first_screen
+
+    if not CHROMIUM.exists():
+        pytest.skip(f"no system chromium at {CHROMIUM}")
+    last = _records(demo_out, "stressed")[-1]
+    assert last["intervention"]  # the stressed run ends with one
+    boxes = first_screen(demo_out / "stressed" / "report.html", tmp_path / "top.png")
+    for part, box in boxes.items():
+        assert box is not None and box["bottom"] <= 900, (part, box)
+    assert boxes["load picture"]["left"] >= boxes["worst layers"]["right"]

@@ -10,53 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from atlas_tracking import AtlasConfig
-from atlas_tracking.gate import AtlasGate
-from atlas_tracking.testing.families import family_model
-from atlas_tracking.testing.tiny import random_canary
+from atlas_tracking.testing.browser import CHROMIUM
 from atlas_tracking.viz.figures import expert_grids, fig_occupancy, pyplot
 from atlas_tracking.viz.html_report import write_report
 
-STRICT = AtlasConfig.from_dict({
-    "receipts": {"progress": False, "n_bootstrap": 100, "anchors": 32},
-    "policy": {"phase": "post_training", "c2_tol": 0.0, "dead_tol": 0.0, "entropy_tol": 0.0, "cv_tol": 0.0,
-               "use_ci": False},
-})
-"""Zero tolerances: the gate after the baseline reads bad and the run enters revoked."""
 
-
-def _overload_expert(model, canary, expert: int, shift: float) -> None:
-    """Raise one expert's router logit by ``shift`` at the mean router input of each layer (no expert dies)."""
-    means: dict[int, torch.Tensor] = {}
-    hooks = [lay.mlp.gate.register_forward_pre_hook(
-        lambda _m, args, i=i: means.update({i: args[0].reshape(-1, args[0].shape[-1]).mean(0)}))
-        for i, lay in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(torch.as_tensor(canary.windows))
-    for hook in hooks:
-        hook.remove()
-    with torch.no_grad():
-        for i, lay in enumerate(model.model.layers):
-            lay.mlp.gate.weight[expert] += shift * means[i] / means[i].dot(means[i])
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A baseline, then a gate after one expert per layer was made to take more routes: CV up, no dead expert."""
-    out = tmp_path_factory.mktemp("run")
-    model, canary = family_model("qwen3_moe"), random_canary(n=8)
-    gate = AtlasGate(model, canary, STRICT, out_dir=out / "atlas")
-    base = gate.run(0, loss=4.0)
-    _overload_expert(model, canary, expert=1, shift=12.0)
-    last = gate.run(10, loss=3.9)
-    return {"dir": out, "records": [base, last]}
-
-
-def test_share_heatmap_matches_a_plain_loop_over_the_artifacts_per_window_loads(run):
-    last = run["records"][-1]
-    artifact = json.loads(next((run["dir"] / "atlas").rglob("step_00000010.json")).read_text())
+def test_share_heatmap_matches_a_plain_loop_over_the_artifacts_per_window_loads(overloaded_run):
+    last = overloaded_run["records"][-1]
+    artifact = json.loads(next((overloaded_run["dir"] / "atlas").rglob("step_00000010.json")).read_text())
     pw = artifact["per_window"]
     labels, share, delta = expert_grids(last["layers"])
     assert labels == [f"layer {lay['index']}" for lay in artifact["layers"]] == ["layer 0", "layer 1"]
@@ -75,10 +37,10 @@ def test_share_heatmap_matches_a_plain_loop_over_the_artifacts_per_window_loads(
     assert np.abs(delta).max() > 0.01  # the overloaded expert moved
 
 
-def test_report_shows_expert_load_occupancy_axes_and_c2_change_when_no_expert_dies(run, tmp_path):
-    base, last = run["records"]
+def test_report_shows_expert_load_occupancy_axes_and_c2_change_when_no_expert_dies(overloaded_run, tmp_path):
+    base, last = overloaded_run["records"]
     assert base["dead_experts"] == last["dead_experts"] == 0 and last["mean_cv"] > base["mean_cv"] + 10
-    page = write_report(run["dir"], tmp_path / "report.html", png_dir=tmp_path / "png").read_text()
+    page = write_report(overloaded_run["dir"], tmp_path / "report.html", png_dir=tmp_path / "png").read_text()
     for alt in ("expert load: layers x experts", "dead experts, load CV and router entropy per layer",
                 "C2 heatmap: layers x gates", "per-layer change of C2 since the baseline"):
         assert re.search(rf'<img alt="{re.escape(alt)}" src="data:image/png;base64,[A-Za-z0-9+/=]{{200,}}">', page), alt
@@ -88,7 +50,7 @@ def test_report_shows_expert_load_occupancy_axes_and_c2_change_when_no_expert_di
     row = re.search(r"<tr><td>layer 0</td><td>0 -&gt; 0</td><td>([\d.]+) -&gt; ([\d.]+)</td>", page)
     assert row and float(row.group(2)) == pytest.approx(cv[0], rel=1e-2) and float(row.group(2)) > float(row.group(1))
     assert "layer 0: expert 1 overloaded." in page
-    fig = fig_occupancy(run["records"])
+    fig = fig_occupancy(overloaded_run["records"])
     try:
         for ax, key in zip(fig.axes, ("dead_experts", "load_cv", "router_entropy")):
             per_layer = [line for line in ax.get_lines() if line.get_label().startswith("layer ")]
@@ -99,30 +61,27 @@ def test_report_shows_expert_load_occupancy_axes_and_c2_change_when_no_expert_di
         pyplot().close(fig)
 
 
-def test_alert_text_names_the_overloaded_experts(run):
-    alerts = run["records"][-1]["alerts"]
+def test_alert_text_names_the_overloaded_experts(overloaded_run):
+    alerts = overloaded_run["records"][-1]["alerts"]
     revoked = next(a for a in alerts if "revoked" in a["title"])
     assert "Experts: layer 0: expert 1 overloaded. layer 1: expert 1 overloaded." in revoked["text"]
 
 
-def test_record_keeps_each_experts_load_and_the_baselines(run):
-    base, last = run["records"]
+def test_record_keeps_each_experts_load_and_the_baselines(overloaded_run):
+    base, last = overloaded_run["records"]
     for b, lay in zip(base["layers"], last["layers"]):
         assert "expert_load_baseline" not in b
         assert lay["expert_load_baseline"] == b["expert_load"]
         assert sum(lay["expert_load"]) == sum(b["expert_load"]) == 8 * 16 * lay["top_k"]
-    assert Path(run["dir"] / "atlas" / "gates.jsonl").exists()
+    assert Path(overloaded_run["dir"] / "atlas" / "gates.jsonl").exists()
 
 
-CHROMIUM = Path("/usr/bin/chromium")
-
-
-def test_report_images_load_in_a_real_browser(run, tmp_path):
+def test_report_images_load_in_a_real_browser(overloaded_run, tmp_path):
     """The report rendered by the system chromium through Playwright: every figure decodes (heatmaps included)."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")
     if not CHROMIUM.exists():
         pytest.skip(f"no system chromium at {CHROMIUM}")
-    report = write_report(run["dir"], tmp_path / "report.html")
+    report = write_report(overloaded_run["dir"], tmp_path / "report.html")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
         try:

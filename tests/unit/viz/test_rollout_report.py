@@ -80,8 +80,11 @@ def test_the_report_holds_the_section_its_table_and_its_figure(run, tmp_path):
         assert re.findall(r"<td>([^<]*)</td>", _cells(first, label))[0] == str(n)
     # the log-probabilities and the alerts, as the lines have them
     assert f"mean absolute difference {lines[-1]['logprobs']['abs_diff_mean']:.4g} at the last step" in section
-    items = re.findall(r"<li>step (\d+) \((\w+)\): <b>([^<]*)</b> ([^<]*)</li>", section)
-    assert items == [(str(line["step"]), a["level"], html.escape(a["title"]), html.escape(a["text"]))
+    assert re.search(r'<a href="[^"]*rollout[^"]*#the-alarm">docs/rollout.md#the-alarm</a>', section)  # linked
+    unlinked = re.sub(r'<a href="[^"]*">([^<]*)</a>', r"\1", section)
+    unlinked = re.sub(r'<span class="layer" title="([^"]*)">[^<]*</span>', r"\1", unlinked)  # the path on hover
+    items = re.findall(r"<li>step (\d+) \((\w+)\): <b>([^<]*)</b> ([^<]*)</li>", unlinked)
+    assert items == [(str(line["step"]), a["level"], html.escape(a["title"]), re.sub(r"(\.\d+\.\w+) \(layer \d+\)", r"\1", html.escape(a["text"])))  # the path, named once
                      for line in lines for a in line["alerts"]]
 
 

@@ -48,6 +48,12 @@ def _by_gid(ax, prefix):
     return {a.get_gid(): a for a in ax.get_children() if (a.get_gid() or "").startswith(prefix)}
 
 
+def named_once(text: str) -> str:
+    """``text`` as the report escapes it, with a module path's own ``(layer N)`` dropped (the report names a layer
+    once: the path on hover, which the test reads back in its place)."""
+    return re.sub(r"(\.\d+\.\w+) \(layer \d+\)", r"\1", html.escape(text))
+
+
 def test_the_planted_run_has_what_the_views_must_show(run):
     """The record itself: the collapsed layer routes to experts 0 and 1 only in the intervals after the plant and up
     to the restore; the alarm at the second of them, its early gate there, the clearing two calm intervals later."""
@@ -109,22 +115,23 @@ def test_report_section_shows_the_last_interval_the_alarms_and_the_early_gate(ru
     last = lines[-1]
     cvs = {row["layer"]: ref_cv(row["load"]) for row in last["layers"]}
     worst = max(cvs, key=cvs.get)
-    rows = dict(re.findall(r"<tr><td>(\w+)</td><td>atlas/train/\w+</td><td>([^<]*)</td></tr>", section))
+    rows = dict(re.findall(r"<tr><td>(\w+)</td><td>atlas/train/\w+</td><td>(.*?)</td></tr>", section))
     name = next(row["name"] for row in last["layers"] if row["layer"] == worst)
-    assert rows["worst_layer"] == f"{worst} ({name})"
+    assert rows["worst_layer"] == f'<span class="layer" title="{name}">layer {worst}</span>'  # one name, path on hover
     assert float(rows["load_cv_max"]) == pytest.approx(cvs[worst], rel=1e-3)
     assert float(rows["entropy_min"]) == pytest.approx(min(ref_entropy(r["load"]) for r in last["layers"]), rel=1e-3)
     assert float(rows["max_over_mean"]) == pytest.approx(
         max(ref_max_over_mean(r["load"]) for r in last["layers"]), rel=1e-3)
     assert rows["tokens"] == str(last["tokens"]) and "dropped_fraction" not in rows and "overload_factor" not in rows
 
-    alerts = re.findall(r"<li>step (\d+) \((\w+)\): <b>([^<]*)</b> ([^<]*)</li>", section)
-    expected = [(str(line["step"]), a["level"], html.escape(a["title"]), html.escape(a["text"]))
+    plain = re.sub(r'<span class="layer" title="([^"]*)">[^<]*</span>', r"\1", section)  # the path on hover
+    alerts = re.findall(r"<li>step (\d+) \((\w+)\): <b>([^<]*)</b> ([^<]*)</li>", plain)
+    expected = [(str(line["step"]), a["level"], html.escape(a["title"]), named_once(a["text"]))
                 for line in lines for a in line["alerts"]]
     assert alerts == expected and [a[:2] for a in alerts] == [("10", "WARN"), ("14", "INFO")]
     (early,) = [g for g in gates if g["trigger"] == "telemetry"]
     assert (f'<ul class="early"><li>step 10, read {early["status"]} / {early["stage"]}: '
-            f'{html.escape(early["trigger_reason"])}</li></ul>') in section
+            f'{named_once(early["trigger_reason"])}</li></ul>') in plain
 
 
 def test_a_run_without_load_jsonl_has_no_section(run, tmp_path):
@@ -146,7 +153,7 @@ def test_summary_rows_name_dropped_routes_and_the_overload_factor():
     rows = dict(re.findall(r"<tr><td>(\w+)</td><td>atlas/train/\w+</td><td>([^<]*)</td></tr>", text))
     assert float(rows["dropped_fraction"]) == pytest.approx((2 + 0) / (12 + 16), rel=1e-3)
     assert float(rows["overload_factor"]) == pytest.approx(7 / 5, rel=1e-3)
-    assert float(rows["dead_fraction_max"]) == 0.5 and rows["worst_layer"] == "0 (l0)"
+    assert float(rows["dead_fraction_max"]) == 0.5 and rows["worst_layer"] == "l0"
     assert "No interval raised an alarm." in text and "No early gate ran." in text
     assert set(figures) == {"train_load.png", "train_expert_load.png"}
     fig = fig_train_load(lines, [])
