@@ -51,6 +51,8 @@ def test_gates_prints_the_table_the_failed_gates_and_the_backlog(run_dir, capsys
     assert main(["gates", str(run_dir)]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
+    assert [line.split(":")[0] for line in lines[:3]] == ["verdict", "where", "what to do"]  # the last gate first
+    lines = lines[lines.index("") + 1:]  # then the table
     assert lines[0].split()[:3] == ["step", "loss", "c2"] and "status" in lines[0] and "stage" in lines[0]
     assert [line.split()[0] for line in lines[2:5]] == ["0", "10", "20"]
     assert "BASELINE" in lines[2] and "post_training" in lines[2]
