@@ -307,6 +307,8 @@ class LayerCapture:
         self.unit: torch.Tensor | None = None
         """``rows`` each over its length."""
         self._rows_read = False
+        self.means_fields = self.collect or any(ref is not None for ref in (base, post_base))
+        """Whether this gate sums each expert's fields: a baseline keeps their means, a gate against one compares."""
         self.coupling: dict[str, torch.Tensor] = {}
         """``state`` and ``field``: ``[E, d]`` sums over the kept tokens routed to each expert of their angular states
         and of its tangent fields (docs/receipts.md#router-expert-coupling)."""
@@ -648,7 +650,7 @@ class LayerCapture:
             u, z = u_groups[0].float(), zh[t0:t1]
             u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
             v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
-            if unit is not None:
+            if unit is not None and self.means_fields:
                 f_sum += field_sum(v, slot_experts[t0:t1], self.layer.num_experts)
             c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
                                                    cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
@@ -671,7 +673,8 @@ class LayerCapture:
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
             outs=outs, sampled=tuple(sampled),
             coupling={} if unit is None else dict(zip(("dot", "state"), window_sums(zh, routing.active, unit,
-                                                                                    self.n_windows)), field=f_sum),
+                                                                                    self.n_windows)),
+                                                  **({"field": f_sum} if self.means_fields else {})),
         )
 
     @torch.no_grad()
@@ -757,8 +760,9 @@ class LayerCapture:
             return
         self.acc.arrays["align_dot"][rows] = fr.coupling["dot"]
         for key in ("state", "field"):
-            part = fr.coupling[key]
-            self.coupling[key] = part if key not in self.coupling else self.coupling[key] + part
+            if key in fr.coupling:
+                part = fr.coupling[key]
+                self.coupling[key] = part if key not in self.coupling else self.coupling[key] + part
 
     def _collect(self, a: AnchorBatch, u: torch.Tensor, g2: torch.Tensor, in_b: torch.Tensor) -> None:
         """Keep one anchor batch in the storage form (docs/receipts.md#compact-anchors): compact forms keep ``z0``

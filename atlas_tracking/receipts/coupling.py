@@ -67,13 +67,18 @@ def window_sums(zh: torch.Tensor, active: torch.Tensor, unit: torch.Tensor, n_wi
     """For window-major tokens (``zh [W L, d]``, active sets ``[W L, k]``) and unit rows ``[E, d]``: ``[W, E]`` the sum,
     over each window's tokens routed to e, of ``unit_e . zh_t``, and ``[E, d]`` the sum of those tokens' ``zh_t``.
 
-    The states are summed per window and expert by one batched product with the windows' membership matrices, so
-    an expert's sums are those of its own tokens in token order, bit for bit, whatever the other experts received
-    and in whichever slot."""
+    The states are summed per window and expert, one active slot at a time (``W E d`` values, no ``[tokens, E]`` or
+    ``[tokens, k, d]`` tensor), in float64, so that the order in which a token's experts sit in their slots leaves
+    the float32 means as they are; the dots are those sums' with the rows."""
     n, d = zh.shape
-    member = zh.new_zeros(n, len(unit)).scatter_(1, active, 1.0).view(n_windows, -1, len(unit))
-    sums = torch.bmm(member.transpose(1, 2), zh.view(n_windows, -1, d))
-    return (sums * unit).sum(-1), sums.sum(0)
+    n_experts = len(unit)
+    first = torch.arange(n, device=zh.device) // (n // n_windows) * n_experts
+    states = zh.double()
+    sums = states.new_zeros(n_windows * n_experts, d)
+    for slot in active.T:
+        sums.index_add_(0, first + slot, states)
+    sums = sums.view(n_windows, n_experts, d)
+    return (sums * unit).sum(-1).float(), sums.sum(0)
 
 
 def field_sum(v: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
