@@ -99,8 +99,6 @@ class Held:
                 self.local.log_gate(gate.record, gate.metrics, gate.step)
             except OSError as exc:
                 self.error = exc
-                for waiting in self.gates:  # this one's write failed; those behind it wait for it
-                    waiting.failed = waiting.failed or f"{type(exc).__name__}: {exc}"
                 break
             self.gates.pop(0)
             done.append(gate)
@@ -110,6 +108,8 @@ class Held:
                             gate.record.get("branch"), gate.failed, self.local.path)
             self.lines.extend((ALERTS, event) for event in gate.events)
             self.flush_lines()
+        for waiting in self.gates if self.error is not None else []:  # held behind the write that failed
+            waiting.failed = waiting.failed or f"{type(self.error).__name__}: {self.error}"
         return done
 
     def flush_lines(self) -> None:
