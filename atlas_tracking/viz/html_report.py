@@ -2,13 +2,15 @@
 
 For a run directory (``<run>/atlas/gates.jsonl``, read as one history with
 :func:`atlas_tracking.artifacts.history.read_history`): an opening that names the gates failing since the last gate
-that ran (``errors.jsonl``: step, reason, layers) before anything else, else the last gate with its badge; loss and C2 against step (the report's figure 4),
+that ran (``errors.jsonl``: step, reason, layers) before anything else, else the last gate with its badge; then, in
+the same first section (:func:`first_screen`), why, where (the worst layers and the layers x experts picture) and
+what to do (the first intervention with its lines); below it loss and C2 against step (the report's figure 4),
 the three occupancy axes per layer over gates (dead experts, load CV, router entropy) with a per-layer table
 from the baseline to the last gate, the last gate's layers x experts load heatmap and the experts it names
 (docs/receipts.md#per-expert-load), the last gate's near-tie mass per layer (docs/receipts.md#near-tie-mass),
 per-layer C2 of the last gate grouped early / protected / late (figure 5;
 the groups follow each layer's ``protected`` flag, ``lifecycle.protected_layers``) and its change since the
-baseline, the layers x gates C2 heatmap, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
+baseline, the layers x gates heatmap of C2 change since the baseline, the stage timeline with alerts, the gate table, and the licensed / unlicensed claims of the last
 gate. A run with ``load.jsonl`` also gets the training-batch load between gates (:func:`load_section`), a run with
 ``rollout.jsonl`` the rollout agreement of a reinforcement-learning loop (:func:`rollout_section`). For a
 receipts artifact: the per-layer table (near-tie mass included) and C2 bars. Figures are embedded as base64 PNG;
