@@ -87,7 +87,14 @@ def test_grpo_fit_reads_its_rising_reward_as_improving_on_every_tracker(tmp_path
     assert [(r["loss_key"], r["loss"]) for r in recs[1:]] == [("eval_reward", v) for v in values]
     trends = [r["loss_trend"] for r in recs[2:]]
     assert trends == expected_trends(values) and set(trends) == {"improving"}
-    assert any("(eval_reward / State3)" in claim for claim in recs[-1]["licensed"])
+    # the reward's rise is named in its direction: licensed, or, when the canary NLL rose since the base (the base
+    # domain damaged), withheld with the number that withholds it
+    last = recs[-1]
+    claimed = [c for c in last["licensed"] if c == "The objective improved on the visited region (eval_reward / State3)."]
+    denied = [c for c in last["unlicensed"] if c.startswith("That the objective improved: eval_reward rose")]
+    assert len(claimed) + len(denied) == 1, (last["licensed"], last["unlicensed"])
+    if denied:
+        assert f"{last['canary_nll_delta_cumulative']:+.4f}" in denied[0] and "the loss" not in denied[0]
     # the record replays to the decisions it made live; read as a loss, the same rising numbers stall
     assert [d["loss_trend"] for d in replay(recs)] == [r["loss_trend"] for r in recs]
     as_loss = [{**r, "objective_direction": "minimize"} for r in recs]
