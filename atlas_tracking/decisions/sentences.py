@@ -12,7 +12,7 @@ Example:
     >>> ev = Evidence(c2_trend="stable", occupancy="healthy", loss_trend="improving", canary="worse",
     ...               base_damage="fail", stage="clean", objective="loss", canary_delta=0.35)
     >>> interpretation(ev)[:72]
-    'The loss fell on the training data, but the canary NLL rose +0.3500 sinc'
+    'On the training data the loss fell, but the canary NLL rose +0.3500 sinc'
     >>> [c for c in licensed(ev) if "objective" in c]
     []
     >>> contradictions([interpretation(ev), *licensed(ev), action(ev)], ev)
@@ -160,12 +160,12 @@ INTERPRETATION_RULES = (
     Rule("damaged_progress", ("loss_trend", "canary", "base_damage", "canary_delta", "c2_trend", "occupancy",
                               "objective", "direction"),
          lambda ev: ev.loss_trend == "improving" and ev.damaged,
-         lambda ev: f"{ev.moved[0].upper()}{ev.moved[1:]} on the training data, but {_damage(ev)}: the progress "
+         lambda ev: f"On the training data {ev.moved}, but {_damage(ev)}: the progress "
                     f"costs the base domain, and no objective claim is licensed ({_structure(ev)}).{_escalation(ev)}"),
     Rule("rewrite_progress", ("loss_trend", "protected_rewrite", "c2_trend", "occupancy", "objective", "direction",
                               "stage"),
          lambda ev: ev.loss_trend == "improving" and ev.protected_rewrite == "fail",
-         lambda ev: f"{ev.moved[0].upper()}{ev.moved[1:]} ({_structure(ev)}), but the protected-atlas rewrite "
+         lambda ev: f"On the training data {ev.moved} ({_structure(ev)}), but the protected-atlas rewrite "
                     "predicate fails: post-training is repurposing the protected layers, so the structural read does "
                     f"not clear the run.{_escalation(ev)}"),
     Rule("scalar_without_geometry", ("c2_trend", "occupancy", "loss_trend", "objective", "direction", "stage"),
@@ -184,7 +184,7 @@ INTERPRETATION_RULES = (
          lambda ev: ev.c2_trend == "worsening" and ev.occupancy == "healthy",
          lambda ev: "Atlas motion is visible without occupancy collapse; the question is which layers are moving and "
                     "whether that motion is acceptable for the current stage."
-                    + (f" Meanwhile {ev._the} stalls." if ev.loss_trend == "stalling" else f" {ev.moved.capitalize()}.")),
+                    + (f" Meanwhile {ev._the} stalls." if ev.loss_trend == "stalling" else f" Meanwhile {ev.moved}.")),
     Rule("stall", ("loss_trend", "c2_trend", "occupancy", "objective", "stage"),
          lambda ev: ev.loss_trend == "stalling",
          lambda ev: f"The objective ({ev.objective}) is stalling; structure is not failing on both axes "
@@ -244,7 +244,7 @@ UNLICENSED_RULES = (
          lambda ev: f"Any trend of {ev._the}: no earlier gate was read in its direction since the baseline."),
     Rule("damaged_progress", ("loss_trend", "canary", "base_damage", "objective"),
          lambda ev: ev.loss_trend == "improving" and ev.damaged,
-         lambda ev: f"That the objective improved: {ev.moved} on the training data, but {_damage(ev)}."),
+         lambda ev: f"That the objective improved: on the training data {ev.moved}, but {_damage(ev)}."),
     Rule("not_preserved", ("stage",), lambda ev: ev.stage != Stage.clean,
          lambda ev: "Atlas preservation or structural health since the baseline."),
     Rule("rewritten", ("stage", "protected_rewrite"), lambda ev: ev.stage == Stage.clean and ev.protected_rewrite == "fail",

@@ -91,7 +91,7 @@ def test_grpo_fit_reads_its_rising_reward_as_improving_on_every_tracker(tmp_path
     # domain damaged), withheld with the number that withholds it
     last = recs[-1]
     claimed = [c for c in last["licensed"] if c == "The objective improved on the visited region (eval_reward / State3)."]
-    denied = [c for c in last["unlicensed"] if c.startswith("That the objective improved: eval_reward rose")]
+    denied = [c for c in last["unlicensed"] if c.startswith("That the objective improved: on the training data eval_reward rose")]
     assert len(claimed) + len(denied) == 1, (last["licensed"], last["unlicensed"])
     if denied:
         assert f"{last['canary_nll_delta_cumulative']:+.4f}" in denied[0] and "the loss" not in denied[0]
