@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from atlas_tracking.engine.coupling import BASELINE_TENSORS
 from atlas_tracking.receipts.sketch import project, sketch_matrix
 from atlas_tracking.schema.config import ConfigError, ReceiptsConfig
 
@@ -59,10 +60,18 @@ class AnchorStorage:
         return z.to(torch.float16).float() if self.compact else z
 
     def store_fields(self, u: torch.Tensor) -> torch.Tensor:
-        """Tangent fields ``[A, k, d]`` as stored: projected to ``[A, k, m]`` when sketched, in the fields dtype."""
+        """Tangent fields ``[A, k, d]`` (or the coupling's per-expert vectors, ``[E, d]``) as stored: projected to
+        ``[..., m]`` when sketched, in the fields dtype."""
         if self.sketch_dim:
             u = project(u, sketch_matrix(self.sketch_dim, u.shape[-1], self.sketch_seed).to(u.device))
         return u.to(getattr(torch, self.fields_dtype))
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any] | None) -> AnchorStorage:
+        """The form a baseline's manifest names (``anchors.storage``; none: exact float32)."""
+        if not manifest:
+            return cls("exact")
+        return cls(manifest["form"], manifest["fields_dtype"], manifest["sketch_dim"], manifest["sketch_seed"])
 
     def describe(self, anchors: int, top_k: int) -> dict[str, Any]:
         """The manifest's ``anchors.storage`` (dtypes are added from the tensors by the baseline)."""
@@ -83,8 +92,12 @@ def per_anchor_bytes(width: int, top_k: int, n_experts: int, storage: AnchorStor
 
 
 def estimate_bytes(layout: list[tuple[int, int, int]], anchors: int, storage: AnchorStorage) -> int:
-    """Bytes of a baseline's anchor tensors for routed layers ``(width, top_k, n_experts)`` (gamma0 included)."""
-    return sum(anchors * per_anchor_bytes(d, k, e, storage) + 4 * d for d, k, e in layout)
+    """Bytes of a baseline's anchor tensors for routed layers ``(width, top_k, n_experts)``: gamma0 and the
+    router-expert coupling's per-expert vectors included (stored as the fields are; a router without rows saves
+    none of those)."""
+    field_bytes = 4 if storage.fields_dtype == "float32" else 2
+    return sum(anchors * per_anchor_bytes(d, k, e, storage) + 4 * d
+               + len(BASELINE_TENSORS) * e * (storage.sketch_dim or d) * field_bytes for d, k, e in layout)
 
 
 def candidates(fields_dtype: str | None, sketch_dim: int | None, min_width: int, seed: int) -> list[AnchorStorage]:
@@ -112,7 +125,7 @@ def choose_storage(layout: list[tuple[int, int, int]], anchors: int, budget: int
     >>> choose_storage([(7168, 8, 256)] * 58, 4096, budget=10**9, seed=0)
     Traceback (most recent call last):
     ...
-    atlas_tracking.schema.config.ConfigError: 'receipts.baseline_budget_bytes' is 1000000000 but the most compact anchor storage (sketch, m = 16) of this model needs about 3605331968 bytes for 4096 anchors x 58 routed layers; lower 'receipts.anchors' or raise (or null) 'receipts.baseline_budget_bytes' (docs/receipts.md#compact-anchors)
+    atlas_tracking.schema.config.ConfigError: 'receipts.baseline_budget_bytes' is 1000000000 but the most compact anchor storage (sketch, m = 16) of this model needs about 3606757376 bytes for 4096 anchors x 58 routed layers; lower 'receipts.anchors' or raise (or null) 'receipts.baseline_budget_bytes' (docs/receipts.md#compact-anchors)
     """
     if not layout:
         return AnchorStorage("exact")

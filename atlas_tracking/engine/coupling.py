@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,8 @@ from atlas_tracking.receipts.coupling import comovement_sums, resultants
 BASELINE_TENSORS = {"rows": "router_rows0", "state": "state_mean0", "field": "field_mean0"}
 """What a baseline keeps per routed layer for co-movement, under ``{i}.<name>``."""
 
+Store = Callable[[torch.Tensor], torch.Tensor]
+"""How a baseline keeps a ``[E, d]`` float32 tensor (``AnchorStorage.store_fields``)."""
 NO_ROWS = ("the router holds no single [experts, width] weight to read its rows from "
            "(docs/receipts.md#router-expert-coupling)")
 """Why a layer has no alignment."""
@@ -80,9 +82,11 @@ def expert_means(sums: dict[str, np.ndarray], loads: np.ndarray, zero_experts: f
     return {"rows": sums["rows"], "state": state, "field": field}
 
 
-def baseline_tensors(i: int, means: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """The tensors a baseline keeps for layer ``i``'s co-movement (:data:`BASELINE_TENSORS`)."""
-    return {f"{i}.{name}": torch.from_numpy(np.asarray(means[key], np.float32)) for key, name in BASELINE_TENSORS.items()}
+def baseline_tensors(i: int, means: dict[str, np.ndarray], store: Store) -> dict[str, torch.Tensor]:
+    """The tensors a baseline keeps for layer ``i``'s co-movement (:data:`BASELINE_TENSORS`), as ``store`` keeps
+    them (the anchors' storage form: float32, half precision or projected)."""
+    return {f"{i}.{name}": store(torch.from_numpy(np.asarray(means[key], np.float32)))
+            for key, name in BASELINE_TENSORS.items()}
 
 
 def baseline_means(tensors: Mapping[str, torch.Tensor], i: int) -> dict[str, np.ndarray] | None:
@@ -93,13 +97,15 @@ def baseline_means(tensors: Mapping[str, torch.Tensor], i: int) -> dict[str, np.
     return {key: tensors[name].double().numpy() for key, name in names.items()}
 
 
-def comovement_entry(now: dict[str, np.ndarray] | None, base: dict[str, np.ndarray] | None) -> dict[str, Any]:
-    """A layer's per-window ``comove`` entry: the per-expert sums of :func:`comovement_sums`, or why it has none."""
+def comovement_entry(now: dict[str, np.ndarray] | None, base: dict[str, np.ndarray] | None, store: Store
+                     ) -> dict[str, Any]:
+    """A layer's per-window ``comove`` entry: the per-expert sums of :func:`comovement_sums`, or why it has none;
+    ``now`` is stored as the baseline stored its vectors (``store``) before the changes are taken."""
     if now is None:
         return {"absent": NO_ROWS}
     if base is None:
         return {"absent": OLD_BASELINE}
-    if base["rows"].shape != now["rows"].shape:
-        return {"absent": f"the baseline's router rows are {base['rows'].shape}, this gate's {now['rows'].shape}"}
-    stored = {key: np.asarray(now[key], np.float32) for key in BASELINE_TENSORS}  # at the baseline's precision
+    stored = {key: store(torch.from_numpy(np.asarray(now[key], np.float32))).double().numpy() for key in BASELINE_TENSORS}
+    if base["rows"].shape != stored["rows"].shape:
+        return {"absent": f"the baseline's router rows are {base['rows'].shape}, this gate's {stored['rows'].shape}"}
     return comovement_sums(stored, base)

@@ -341,7 +341,8 @@ def build_report(
         pw["alignment"] = {"absent": NO_ROWS} if sums is None else window_entry(h["align_dot"], sums, h["load"])
         means.append(None if sums is None else expert_means(sums, h["load"].sum(axis=0), layer.zero_experts))
         if baseline is not None:
-            pw["comove"] = comovement_entry(means[-1], baseline_means(baseline.tensors, i))
+            pw["comove"] = comovement_entry(means[-1], baseline_means(baseline.tensors, i),
+                                            AnchorStorage.of(baseline.storage).store_fields)
     exact = []
     for h in merged:
         m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
@@ -370,12 +371,14 @@ def build_report(
         per_window=per_window,
     )
     if partials[0]["anchors"] is not None and anchors is not None:
+        storage = anchor_storage(rcfg, layers, anchors)
         tensors = TensorSpool.joined([p["anchors"] for p in partials])
         for i in range(len(layers)):
             for key, norm in (("gamma0", partials[0]["gamma"][i]), ("beta0", partials[0]["beta"][i])):
                 if norm is not None:
                     tensors.add(f"{i}.{key}", 0, norm)
-            for key, vectors in (baseline_tensors(i, means[i]) if means[i] is not None else {}).items():
+            stored = baseline_tensors(i, means[i], storage.store_fields) if means[i] is not None else {}
+            for key, vectors in stored.items():
                 tensors.add(key, 0, vectors)
         kl = merge_topk([p["topk"] for p in partials], canary.n_windows, rcfg.kl_top_k)
         for key in KL_TENSORS:
@@ -385,8 +388,7 @@ def build_report(
             "tensors": tensors,
             "positions": anchors.positions.tolist(),
             "batch_windows": rcfg.batch_windows,
-            "storage": anchor_storage(rcfg, layers, anchors).describe(len(anchors.positions),
-                                                                     max(lay.top_k for lay in layers)),
+            "storage": storage.describe(len(anchors.positions), max(lay.top_k for lay in layers)),
             "kl": kl,
         }
     return report

@@ -123,6 +123,12 @@ def test_every_form_gives_exact_zeros_for_itself_and_for_attention_only(model, c
     assert storage["form"] == form.split("-")[0]
     same = measure(model, canary, baseline=base, config=cfg)
     assert all(layer[k] == 0.0 for layer in same.drift["layers"] for k in DRIFTS)
+    for layer in same.per_window["layers"]:  # the coupling's vectors are stored as the fields are: nothing moved
+        sums = layer["comove"]
+        assert all(x == 0.0 for key in ("router_sq", "state_sq") for x in sums[key]), sums
+    width = storage["sketch_dim"] or 32
+    assert base.tensors["0.router_rows0"].shape == (6, width)
+    assert str(base.tensors["0.field_mean0"].dtype) == f"torch.{storage['fields_dtype']}"
     assert verify(json.loads(same.to_json())) == []
     attention = measure(_changed(model, "self_attn.o_proj", 1.0), canary, baseline=base, config=cfg)
     assert all(layer["coord_drift"] > 0 for layer in attention.drift["layers"])
