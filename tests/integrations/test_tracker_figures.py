@@ -61,4 +61,5 @@ def test_mlflow_without_matplotlib_still_logs_metrics_tags_and_gates(tmp_path, m
         "atlas/gates/step_00000000.json", "atlas/gates/step_00000010.json"]
     assert client.list_artifacts(run_id, "atlas/figures") == []
     assert sorted(s.split(" (")[0] for s in said) == ["atlas: mlflow left out the C2 heatmap figure",
-                                                      "atlas: mlflow left out the C2 per layer figure"]
+                                                      "atlas: mlflow left out the C2 per layer figure",
+                                                      "atlas: mlflow left out the HTML report figure"]
