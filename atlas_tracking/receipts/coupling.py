@@ -67,17 +67,16 @@ def window_sums(zh: torch.Tensor, active: torch.Tensor, unit: torch.Tensor, n_wi
     """For window-major tokens (``zh [W L, d]``, active sets ``[W L, k]``) and unit rows ``[E, d]``: ``[W, E]`` the sum,
     over each window's tokens routed to e, of ``unit_e . zh_t``, and ``[E, d]`` the sum of those tokens' ``zh_t``.
 
-    The states are summed per window and expert, one active slot at a time (``W E d`` values, no ``[tokens, E]`` or
-    ``[tokens, k, d]`` tensor), in float64, so that the order in which a token's experts sit in their slots leaves
-    the float32 means as they are; the dots are those sums' with the rows."""
+    One batched product per micro-batch: each window's routing as a ``[E, L]`` count of routes (``W E L`` values, one
+    per token and expert, no ``[tokens, k, d]`` tensor) times its ``[L, d]`` states, in float32, so that the order in
+    which a token's experts sit in their slots does not enter; the windows' sums are then added in float64 and the
+    dots are those sums' with the rows."""
     n, d = zh.shape
-    n_experts = len(unit)
-    first = torch.arange(n, device=zh.device) // (n // n_windows) * n_experts
-    states = zh.double()
-    sums = states.new_zeros(n_windows * n_experts, d)
-    for slot in active.T:
-        sums.index_add_(0, first + slot, states)
-    sums = sums.view(n_windows, n_experts, d)
+    length = n // n_windows
+    routes = active.view(n_windows, length, -1).transpose(1, 2)  # [W, k, L] the expert of each slot
+    member = zh.new_zeros(n_windows, len(unit), length, dtype=torch.float32)
+    member.scatter_add_(1, routes, member.new_ones(1, 1, 1).expand(routes.shape))
+    sums = torch.bmm(member, zh.float().view(n_windows, length, d)).double()
     return (sums * unit).sum(-1).float(), sums.sum(0)
 
 
@@ -118,11 +117,11 @@ def alignment(dot: np.ndarray, load: np.ndarray, resultant: np.ndarray, row_norm
 
 def _alignment(dot: np.ndarray, n: np.ndarray, resultant: Any, row_norm: Any) -> np.ndarray:
     res = np.asarray(resultant, np.float64)
-    ok = (n > 0) & np.isfinite(res) & (res > 0)
+    readable = np.isfinite(res) & (res > 0)  # per expert: a concentration to divide by, and a row
     if row_norm is not None:
-        ok &= np.asarray(row_norm, np.float64) > 0
+        readable &= np.asarray(row_norm, np.float64) > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(ok, dot / np.where(n > 0, n, 1.0) / np.where(ok, res, 1.0), np.nan)
+        return np.where((n > 0) & readable, dot / n / np.where(readable, res, 1.0), np.nan)
 
 
 def _row_quantile(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
@@ -140,15 +139,10 @@ def _layer_stats(a: np.ndarray) -> np.ndarray:
     row has none); one sort of the whole matrix (NaN last), the quantiles read at their positions."""
     a = np.atleast_2d(a)
     count = np.isfinite(a).sum(-1)
-    n = a.shape[-1]
-    if n and (count == n).all():  # every row whole (the usual case): only the order statistics read are placed
-        kth = sorted({int(f(q * (n - 1))) for q in (0.5, LOWER_DECILE) for f in (np.floor, np.ceil)})
-        ordered = np.partition(a, kth, axis=-1)
-    else:
-        ordered = np.sort(a, axis=-1)
+    ordered = np.sort(a, axis=-1)  # a full sort: faster than partitioning at the four order statistics read
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.stack([_row_quantile(ordered, count, 0.5), _row_quantile(ordered, count, LOWER_DECILE),
-                        (np.nan_to_num(a, nan=0.0) < 0).sum(-1) / count], axis=-1)
+                        (a < 0).sum(-1) / count], axis=-1)
     out[count == 0] = np.nan
     return out
 
@@ -171,8 +165,9 @@ def alignment_receipts(entry: dict[str, Any], load: Any, idx: np.ndarray, level:
     row_norm = np.asarray(entry["row_norm"], np.float64)
     a = alignment(dot, loads, res, row_norm)
     point = _layer_stats(a)[0]
-    mult = float_multiplicity(idx, len(dot))
-    samples = _alignment(mult @ dot, mult @ loads, res, row_norm)
+    n_experts = dot.shape[1]
+    resampled = float_multiplicity(idx, len(dot)) @ np.concatenate([dot, loads], axis=1)  # one product for both
+    samples = _alignment(resampled[:, :n_experts], resampled[:, n_experts:], res, row_norm)
     bounds = percentile_cis(_layer_stats(samples), level)
     names = ("alignment_median", "alignment_p10", "alignment_negative")
     values: dict[str, Any] = {"alignment": [_f(x) for x in a]}
