@@ -364,7 +364,8 @@ class AtlasGate(CommitOnWrite):
         asked = self.telemetry.step(step, self.policy.rolls_reference, self._writer(), log_step)
         if not (asked and early):
             return None
-        if self.lineage and int(self.lineage[-1][0]) >= int(step):  # a gate of this step already answered it
+        last = [*self.lineage, *([h.record["step"]] for h in self.held.gates)]  # a held gate answered it too
+        if last and int(last[-1][0]) >= int(step):  # a gate of this step already answered it
             self.telemetry.requested = None
             return None
         try:
@@ -525,13 +526,18 @@ class AtlasGate(CommitOnWrite):
         self.claim()
         payload: Any = None
         if _is_rank_zero():
-            repaired = self.run_dir.repair()
-            lineage = self._restored.get("lineage") if self._restored else None
-            moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"),
-                                        ((self._restored or {}).get("telemetry") or {}).get("segments"),
-                                        ((self._restored or {}).get("rollout") or {}).get("segments"))
+            repaired, moved, rewound = {}, 0, False
+            try:
+                repaired = self.run_dir.repair()
+                lineage = self._restored.get("lineage") if self._restored else None
+                moved = self.run_dir.rewind(int(step), lineage, (self._restored or {}).get("branch"),
+                                            ((self._restored or {}).get("telemetry") or {}).get("segments"),
+                                            ((self._restored or {}).get("rollout") or {}).get("segments"))
+                rewound = True
+            except OSError as exc:  # a full disk: training starts anyway, and the next resume rewinds the record
+                log.error("atlas: the record could not be rewound to step %s (%s); the next resume does it", step, exc)
             history = read_history(self.run_dir.path) if self.run_dir.gates.exists() else []
-            payload = (moved, history, repaired)
+            payload = (moved, [r for r in history if rewound or r["step"] <= step], repaired)
         moved, history, repaired = _from_rank_zero(payload)
         read = self.lineage or self.policy.history  # a state saved before lineages were kept has only the latter
         last = int(read[-1][0] if self.lineage else read[-1]["step"]) if read else -1

@@ -179,8 +179,13 @@ class Delivery:
             self._send(sink, record, metrics, step, alerts)
 
     def alert(self, event: dict[str, Any]) -> None:
+        """An alert between gates: ``alerts.jsonl``, then every sink (still told when the disk is full)."""
         if self.local is not None:
-            self.local.alert(event)
+            try:
+                self.local.alert(event)
+            except OSError as exc:
+                log.error("atlas: the alert %r could not be written (%s); the trackers still receive it",
+                          event.get("title"), exc)
         self.notify(event)
 
     def notify(self, event: dict[str, Any]) -> None:
