@@ -4,7 +4,7 @@
 baseline) and of a gate against a baseline, each run as it ships and with the coupling work taken out (the capture's
 per-micro-batch sums, ``engine.capture.LayerCapture._add_coupling`` and ``receipts.coupling.field_sum``/``window_sums``,
 and the host's ``alignment_receipts`` replaced by no-ops for that pass only), for a freshly initialised Qwen3-MoE of
-width 64 with k = 8, 24 routed layers x 128 experts, over a 32 x 128-token canary (as ``benchmarks/gate_profile.py``).
+width 64 (``--width``) with k = 8, 24 routed layers x 128 experts, over a 32 x 128-token canary (as ``benchmarks/gate_profile.py``).
 One torch thread, the four passes interleaved, the medians of ``--repeats``; ``overhead`` is the ratio of the medians
 minus 1, ``overhead_paired`` the median of each repeat's own ratio minus 1.
 """
@@ -46,10 +46,11 @@ def without_coupling() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--width", type=int, default=WIDTH, help="the model's width (64: the shape of the gate's profile)")
     ap.add_argument("--out", default=str(HERE / "coupling_cost.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = build_qwen3_moe(seed=0, hidden=WIDTH, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
+    model = build_qwen3_moe(seed=0, hidden=args.width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
     canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=WINDOW, n_windows=WINDOWS, seed=0)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False}})
     baseline = Baseline.from_report(measure(model, canary, config=cfg))
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {name: statistics.median(t) for name, t in times.items()}
     pairs = {"gate": "gate_without_coupling", "gate_with_drift": "gate_with_drift_without_coupling"}
     result: dict[str, Any] = {
-        "torch_threads": 1, "repeats": args.repeats, "layers": LAYERS, "experts": EXPERTS, "width": WIDTH,
+        "torch_threads": 1, "repeats": args.repeats, "layers": LAYERS, "experts": EXPERTS, "width": args.width,
         "top_k": TOP_K, "canary_windows": WINDOWS, "window": WINDOW, "cpu_seconds_median": med,
         "overhead": {on: med[on] / med[off] - 1.0 for on, off in pairs.items()},
         "overhead_paired": {on: statistics.median(a / b for a, b in zip(times[on], times[off])) - 1.0
