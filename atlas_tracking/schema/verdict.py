@@ -87,8 +87,9 @@ class Verdict:
 
 
 def _status_reason(record: dict[str, Any]) -> str:
+    metric = str(record.get("loss_key") or "loss")  # the trend of the metric itself, not a claim about the objective
     trends = [f"{name} {record[key]}" for name, key in (("C2", "c2_trend"), ("occupancy", "occupancy"),
-                                                         ("objective", "loss_trend")) if record.get(key)]
+                                                         (metric, "loss_trend")) if record.get(key)]
     return ", ".join(trends) or "the policy's status"
 
 
