@@ -74,7 +74,7 @@ def test_the_top1_workspace_names_only_logged_keys_and_says_na(top1_run):
     supervised = [s for s in sections if not s.name.startswith("atlas: rollout")]  # a reinforcement-learning loop's
     assert logged_keys(supervised) - keys == set()
     titles = [[p.title for p in s.panels] for s in sections]
-    assert [t.count("C2: n/a (top-1)") for t in titles] == [1, 0, 0, 1, 0, 0, 1]
+    assert [t.count("C2: n/a (top-1)") for t in titles] == [1, 0, 0, 1, 0, 0, 0, 1]  # the coupling section has none
     workspace = build_workspace("an-entity", "a-project", n_layers, top1=True)
     assert TOP1_PANEL.text.split(".")[0].strip("*") in json.dumps(workspace._to_model().model_dump(mode="json"))
 
