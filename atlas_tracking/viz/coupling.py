@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from atlas_tracking.artifacts.expert_text import layer_label
-from atlas_tracking.viz.figures import expert_grids, png_bytes, pyplot
+from atlas_tracking.viz.figures import expert_grids, expert_panel, png_bytes, pyplot
 
 NOTE = ("Alignment: the cosine between each expert's router row (in the receipts' state space) and the mean angular "
         "state of the canary tokens routed to it; negative: the row points away from the tokens it serves; blank: "
@@ -53,13 +53,7 @@ def fig_alignment(layers: list[dict[str, Any]], step: int):
     panels = [(share, load_labels, "share of the layer's routes", "viridis", 0.0, None),
               (grid, labels, "alignment of the router row with its tokens", "RdBu", -1.0, 1.0)]
     for ax, (values, names, title, cmap, vmin, vmax) in zip(axes[0], panels):
-        im = ax.imshow(values, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
-        ax.set_yticks(range(len(names)), names, fontsize=7)
-        ticks = list(range(0, values.shape[1], max(1, values.shape[1] // 16)))
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
-        ax.set_xlabel("expert")
-        ax.set_title(title, fontsize=9)
-        fig.colorbar(im, ax=ax)
+        expert_panel(fig, ax, values, names, title, cmap, vmin, vmax)
     fig.suptitle(f"Expert load and router-row alignment at step {step} (layers x experts)", fontsize=10)
     return fig
 

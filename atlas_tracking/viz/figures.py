@@ -177,15 +177,22 @@ def fig_expert_load(layers: list[dict[str, Any]], step: int, what: str = "Expert
     fig, axes = plt.subplots(1, len(panels), squeeze=False, layout="constrained",
                              figsize=(min(9.0, 3.5 + 0.08 * n_experts) * len(panels), max(2.5, 0.3 * len(labels) + 1.4)))
     for ax, (grid, title, cmap, vmin, vmax) in zip(axes[0], panels):
-        im = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
-        ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        ticks = list(range(0, n_experts, max(1, n_experts // 16)))
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
-        ax.set_xlabel("expert")
-        ax.set_title(title, fontsize=9)
-        fig.colorbar(im, ax=ax)
+        expert_panel(fig, ax, grid, labels, title, cmap, vmin, vmax)
     fig.suptitle(f"{what} at step {step} (layers x experts)", fontsize=10)
     return fig
+
+
+def expert_panel(fig: Any, ax: Any, grid: np.ndarray, labels: list[str], title: str, cmap: str, vmin: float,
+                 vmax: float | None) -> None:
+    """One layers x experts heatmap on ``ax``: a row per layer (``labels``), experts ticked about 16 times across,
+    its colour bar beside it."""
+    im = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ticks = list(range(0, grid.shape[1], max(1, grid.shape[1] // 16)))
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("expert")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax)
 
 
 def fig_expert_change(layers: list[dict[str, Any]], step: int):
