@@ -76,7 +76,9 @@ class TensorSpool(Mapping[str, torch.Tensor]):
             self._files.append(_File(tempfile.TemporaryFile()))  # noqa: SIM115 (closed with the last spool holding it)
         fh = self._files[self._own].fh
         offset = fh.seek(0, io.SEEK_END)
-        fh.write(rows.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+        host = rows.detach().contiguous()
+        host = host if host.device.type == "cpu" else host.cpu()  # a gate hands host rows (engine/readback.py)
+        fh.write(host.reshape(-1).view(torch.uint8).numpy().data)
         self._blocks.setdefault(name, []).append(_Block(start, rows.shape[0], self._own, offset))
 
     @classmethod

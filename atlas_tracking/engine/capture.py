@@ -22,6 +22,7 @@ from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
+from atlas_tracking.engine.readback import read_back
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
 from atlas_tracking.receipts.consistency import set_overlap
@@ -249,18 +250,24 @@ class LayerAccumulator:
         """Keep this micro-batch's active-set keys; they are counted once, at the end of the gate."""
         self.cells.append(cell_keys(active, self.n_experts))
 
-    def to_host(self) -> dict[str, Any]:
-        """Per-window arrays as numpy plus the active-set cells: ``(keys, counts)``, one key (or sorted row) per
-        distinct active set (``occupancy.cell_keys``) and the tokens that visited it."""
-        host: dict[str, Any] = {k: v.cpu().numpy() for k, v in self.arrays.items()}
-        stacks = [torch.cat([self.sums, *(d[0] for d in self.drift.values())]),
-                  torch.cat([self.counts, *(d[1] for d in self.drift.values())])]
-        for names, stack in zip((self.sum_names, self.count_names), stacks):
-            host.update(zip(names, stack.cpu().numpy()))
-        if self.cells:
-            host["cells"] = tuple(t.cpu().numpy() for t in count_cells(torch.cat(self.cells)))
-        else:
-            host["cells"] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """What the host reads of this layer, still on the device (``engine/readback.py`` copies a gate's at once):
+        the per-window arrays, the stacked sums and counts, and the active-set keys of every kept token."""
+        return {
+            **self.arrays,
+            "sums": torch.cat([self.sums, *(d[0] for d in self.drift.values())]),
+            "counts": torch.cat([self.counts, *(d[1] for d in self.drift.values())]),
+            "cell_keys": torch.cat(self.cells) if self.cells else torch.zeros(0, dtype=torch.int64, device=self.device),
+        }
+
+    def from_host(self, read: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Per-window arrays as numpy from :meth:`device_tensors` read back, plus the active-set cells:
+        ``(keys, counts)``, one key (or sorted row) per distinct active set (``occupancy.cell_keys``) and the tokens
+        that visited it."""
+        host: dict[str, Any] = {k: read[k].numpy() for k in self.arrays}
+        for names, stack in zip((self.sum_names, self.count_names), (read["sums"], read["counts"])):
+            host.update(zip(names, stack.numpy()))
+        host["cells"] = count_cells(read["cell_keys"].numpy())
         return host
 
 
@@ -687,10 +694,10 @@ class LayerCapture:
         w0, w1 = self.batch.start, self.batch.end
         bw, seq = w1 - w0, acc.window
         d = x.shape[-1]
-        if self.gamma0 is None:
-            self.gamma0 = layer.gamma().detach().float().cpu()
+        if self.gamma0 is None:  # kept on the device, read back with the gate's results
+            self.gamma0 = layer.gamma().detach().float().clone()
             beta = layer.beta()
-            self.beta0 = None if beta is None else beta.detach().cpu()
+            self.beta0 = None if beta is None else beta.detach().clone()
         x2, g2, out2 = self.window_major(x), self.window_major(g), self.window_major(out)
         if stash is None:
             sel = self.select(router_out, g.reshape(-1, d))
@@ -775,12 +782,12 @@ class LayerCapture:
             tensors["g0"] = g2[a.loc].float()
         self.collected.append((a.a0, tensors))
         if a.z.device.type == "cpu":  # already on the host: spooled at once; from a device, at the micro-batch's end
-            self.spool_collected()
+            self.spool_rows(self.collected)
 
-    def spool_collected(self) -> None:
-        """Move the anchor rows this layer collected to the spool (host, then its temporary file) and let them go."""
+    def spool_rows(self, collected: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Move anchor rows this layer collected (``collected``, on the host) to the spool and let them go."""
         assert self.spool is not None
-        for a0, part in self.collected:
+        for a0, part in collected:
             for key, rows in part.items():
                 self.spool.add(f"{self.index}.{key}", a0, rows)
         self.collected = []
@@ -866,9 +873,9 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
 
 
 def spool_collected(captures: list[LayerCapture]) -> None:
-    """At the end of a micro-batch, move the anchor rows every layer collected to its spool (docs/record.md#baselines-on-disk):
-    a layer on the CPU has spooled them as it collected them; one on an accelerator holds one micro-batch of them,
-    copied to the host here, where the gate waits for the device once."""
-    for cap in captures:
-        if cap.collected:
-            cap.spool_collected()
+    """At the end of a micro-batch, move the anchor rows every layer on an accelerator collected to its spool
+    (docs/record.md#baselines-on-disk), all layers' read back to the host in one transfer (``engine/readback.py``); a
+    layer on the CPU has spooled them as it collected them."""
+    held = [cap for cap in captures if cap.collected]
+    for cap, rows in zip(held, read_back([cap.collected for cap in held])):
+        cap.spool_rows(rows)

@@ -42,14 +42,13 @@ OLD_BASELINE = "the baseline was saved without router rows and mean states (befo
 """Why a gate has no co-movement against an older baseline."""
 
 
-def capture_sums(rows: torch.Tensor | None, sums: dict[str, torch.Tensor], n_experts: int, width: int
-                 ) -> dict[str, np.ndarray] | None:
-    """One process's coupling of one layer on the host (None when the router has no rows to read): its rows and the
-    state and field sums of the windows it kept (zeros where it kept none)."""
-    if rows is None:
+def capture_sums(sums: dict[str, torch.Tensor] | None, n_experts: int, width: int) -> dict[str, np.ndarray] | None:
+    """One process's coupling of one layer as numpy (None when the router has no rows to read), from its host
+    tensors: its rows and the state and field sums of the windows it kept (zeros where it kept none)."""
+    if sums is None:
         return None
     zeros = np.zeros((n_experts, width), np.float32)
-    return {"rows": rows.cpu().numpy(), **{k: sums[k].cpu().numpy() if k in sums else zeros for k in ("state", "field")}}
+    return {"rows": sums["rows"].numpy(), **{k: sums[k].numpy() if k in sums else zeros for k in ("state", "field")}}
 
 
 def merge(parts: list[dict[str, np.ndarray] | None]) -> dict[str, np.ndarray] | None:

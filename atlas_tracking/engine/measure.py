@@ -55,6 +55,7 @@ from atlas_tracking.engine.coupling import (
     merge,
     window_entry,
 )
+from atlas_tracking.engine.readback import read_back
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.receipts.kl import base_topk, window_kl
@@ -237,7 +238,7 @@ def measure_partial(
                     nll_sum[start:end], nll_cnt[start:end] = s, c
                     if kl_k:
                         topk = base_topk(logits[: end - start], kl_k)
-                        topk_parts.append((start, *(t.cpu() for t in topk), logits.shape[-1]))
+                        topk_parts.append((start, *topk, logits.shape[-1]))
                     if with_kl:
                         base_kl = baseline.kl_base_slice(start, end, logits.shape[-1])
                         kl_sum[start:end], kl_cnt[start:end] = window_kl(logits[: end - start], *base_kl)
@@ -257,21 +258,27 @@ def measure_partial(
                 f"routed layer {cap.layer.name} ran {cap.calls} times for {len(batches)} canary micro-batches; "
                 "is it bypassed by the model's forward?"
             )
-    return {
-        "owned": owned,
-        "layers": [cap.acc.to_host() for cap in captures],
-        "nll_sum": nll_sum.cpu().numpy(),
-        "nll_count": nll_cnt.cpu().numpy(),
-        "kl_sum": kl_sum.cpu().numpy() if with_kl else None,
-        "kl_count": kl_cnt.cpu().numpy() if with_kl else None,
-        "klc_sum": klc_sum.cpu().numpy() if with_klc else None,
-        "klc_count": klc_cnt.cpu().numpy() if with_klc else None,
+    device_part = {  # read back to the host in one transfer (docs/receipts.md#host-synchronisations)
+        "layers": [cap.acc.device_tensors() for cap in captures],
+        "nll": (nll_sum, nll_cnt), "kl": (kl_sum, kl_cnt) if with_kl else None,
+        "klc": (klc_sum, klc_cnt) if with_klc else None,
         "topk": topk_parts if kl_k else None,
-        "anchors": spool,
         "gamma": [cap.gamma0 for cap in captures],
         "beta": [cap.beta0 for cap in captures],
-        "coupling": [capture_sums(cap.rows, cap.coupling, cap.layer.num_experts, cap.layer.hidden_size)
-                     for cap in captures],
+        "coupling": [None if cap.rows is None else {"rows": cap.rows, **cap.coupling} for cap in captures],
+    }
+    host = read_back(device_part)
+    return {
+        "owned": owned,
+        "layers": [cap.acc.from_host(h) for cap, h in zip(captures, host["layers"])],
+        **{f"{name}_{part}": None if host[name] is None else t.numpy()
+           for name in ("nll", "kl", "klc") for part, t in zip(("sum", "count"), host[name] or (None, None))},
+        "topk": host["topk"],
+        "anchors": spool,
+        "gamma": host["gamma"],
+        "beta": host["beta"],
+        "coupling": [capture_sums(sums, cap.layer.num_experts, cap.layer.hidden_size)
+                     for cap, sums in zip(captures, host["coupling"])],
     }
 
 

@@ -91,8 +91,16 @@ def cell_keys(active: torch.Tensor, n_experts: int) -> torch.Tensor:
     return (rows * powers).sum(dim=1)
 
 
-def count_cells(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct active-set keys (from :func:`cell_keys`) and how many tokens visited each."""
-    if keys.dim() == 1:
-        return torch.unique(keys, return_counts=True)
-    return torch.unique(keys, dim=0, return_counts=True)
+def count_cells(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct active-set keys (from :func:`cell_keys`, read back to the host) and how many tokens visited each
+    (counted on the host: on the device the number of distinct keys would be a host synchronisation of its own).
+
+    >>> keys, counts = count_cells(np.array([7, 3, 7]))
+    >>> keys.tolist(), counts.tolist()
+    ([3, 7], [1, 2])
+    """
+    if keys.ndim == 1:
+        distinct, counts = np.unique(keys, return_counts=True)
+    else:
+        distinct, counts = np.unique(keys, axis=0, return_counts=True)
+    return distinct, counts.astype(np.int64)
