@@ -4,7 +4,8 @@ A gate keeps every per-window sum, count and per-layer array on the model's devi
 Each copy to the host waits for the device to finish its queue (a host synchronisation); copied one by one, the
 arrays of a gate made some twenty such waits per routed layer. :func:`read_back` packs every tensor of a nested
 structure into one byte buffer per device, copies each buffer once and hands back host tensors of the same dtypes
-and shapes (views of that buffer) in the same structure.
+and shapes in the same structure, each holding its own memory (a view of the buffer would carry all of it
+wherever it is pickled, to the other ranks of a distributed gate above all).
 
 Example:
     >>> import torch
@@ -53,7 +54,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def read_back(tree: Any) -> Any:
     """``tree`` (dicts, lists and tuples of tensors and other values) with every tensor on the host, copied in one
-    transfer per device; host tensors are views of one buffer (writable, the buffer is this call's own)."""
+    transfer per device; each host tensor holds its own memory."""
     leaves: list[torch.Tensor] = []
     _leaves(tree, leaves)
     host: dict[int, torch.Tensor] = {}
@@ -75,5 +76,5 @@ def read_back(tree: Any) -> Any:
         for t, start in zip(tensors, places):
             size = t.numel() * t.element_size()
             raw = buffer[start : start + size]
-            host[id(t)] = (raw.to(torch.bool) if t.dtype == torch.bool else raw.view(t.dtype)).view(t.shape)
+            host[id(t)] = (raw.to(torch.bool) if t.dtype == torch.bool else raw.view(t.dtype).clone()).view(t.shape)
     return _rebuild(tree, host)

@@ -86,3 +86,5 @@ def test_read_back_returns_every_dtype_and_shape_in_one_read():
     assert host["nested"][1:] == [None, "text"]
     host["f"][0, 0] = 1e9  # the host copy is the caller's own
     assert tree["f"][0, 0] != 1e9
+    for key in ("f", "h", "i"):  # and holds its own memory: pickled to another rank, it carries no other tensor's
+        assert host[key].untyped_storage().nbytes() == tree[key].numel() * tree[key].element_size()
