@@ -22,11 +22,12 @@ from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
+from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
 from atlas_tracking.engine.readback import read_back
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
 from atlas_tracking.receipts.consistency import set_overlap
-from atlas_tracking.receipts.coupling import field_sum, state_rows, unit_rows, window_sums
+from atlas_tracking.receipts.coupling import state_rows, unit_rows, window_sums
 from atlas_tracking.receipts.drift import (
     active_set_change,
     content_drift_per_token,
@@ -45,7 +46,7 @@ from atlas_tracking.receipts.state1 import (
     set_margin,
     tie_scale,
 )
-from atlas_tracking.receipts.state2 import c2_from_gram, jump_ratio, redundancy_distance
+from atlas_tracking.receipts.state2 import redundancy_distance
 from atlas_tracking.receipts.windows import COUNTERS
 from atlas_tracking.schema.artifacts import DRIFT_RECEIPTS
 from atlas_tracking.schema.config import ReceiptsConfig
@@ -335,6 +336,8 @@ class LayerCapture:
         the verdict of an earlier gate of this process with the same arithmetic where there is one."""
         acc.arrays["layer_output"] = torch.full((acc.n_windows,), PATHS.index(UNFUSED), dtype=torch.int64,
                                                 device=acc.device)
+        acc.arrays["kernels"] = torch.zeros(acc.n_windows, dtype=torch.int64, device=acc.device)
+        """Per window, the path of this layer's field arithmetic (``KERNEL_PATHS``; docs/receipts.md#field-kernels)."""
         self.check = SelfCheck(layer, acc)
         self._zero3 = any(hasattr(p, "ds_status") for m in (layer.norm, layer.router, layer.block) for p in m.parameters())
         """Whether any parameter the hooks read is ZeRO-3 managed (else :meth:`_parameters` gathers nothing)."""
@@ -642,10 +645,11 @@ class LayerCapture:
                 at = (handed.index.unsqueeze(2) == routing.active.unsqueeze(1)).int().argmax(dim=2)
                 s_active, rho, active_fields = (t.gather(1, at) for t in (s_active, rho, active_fields))
                 pos_k = (handed.index == sel.sm.e_k.view(-1, 1)).int().argmax(dim=1)
-        rho_fields = rho * active_fields
         slot_experts = routing.active if handed is None else handed.index
         unit = self._unit_rows(dev)
+        sum_fields = unit is not None and self.means_fields
         f_sum = torch.zeros(self.layer.num_experts, d, dtype=torch.float64, device=dev)
+        paths: set[str] = set()
         wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
@@ -654,21 +658,19 @@ class LayerCapture:
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
             asked = chosen[t0:t1]
             u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
-            u, z = u_groups[0].float(), zh[t0:t1]
-            u_active = u[:, :k] if active_u is None else active_u[t0:t1].float()
-            v = tangent_project(u_active, z)  # projected before any inner product (docs/receipts.md#precision)
-            if unit is not None and self.means_fields:
-                f_sum += field_sum(v, slot_experts[t0:t1], self.layer.num_experts)
-            c2[t0:t1], c2_ok[t0:t1] = c2_from_gram(torch.bmm(v, v.transpose(1, 2)), rho[t0:t1], s_active[t0:t1],
-                                                   cfg.beta_adj, cfg.eps_kappa, active_fields[t0:t1])
-            v_k[t0:t1] = v.view(-1, d).index_select(0, torch.arange(0, (t1 - t0) * k, k, device=dev) + pos_k[t0:t1])
-            v_k1 = tangent_project(u[:, -1], z)
-            field = torch.bmm(rho_fields[t0:t1].unsqueeze(1), v).squeeze(1)
-            gap = (v_k[t0:t1] - v_k1).norm(dim=-1)  # ||v_k - v_k1||: read by the distance and the jump
-            d_adj[t0:t1] = redundancy_distance(v_k[t0:t1], v_k1, cfg.eps_d, gap)
-            jump[t0:t1] = jump_ratio(rho_k[t0:t1], gap, field)
+            u_active = u_groups[0][:, :k] if active_u is None else active_u[t0:t1]  # the model's dtype
+            part, path = PROCESS_KERNELS(
+                cfg.kernels, u_active, u_groups[0][:, -1], zh[t0:t1], rho[t0:t1], s_active[t0:t1],
+                active_fields[t0:t1], pos_k[t0:t1], rho_k[t0:t1], cfg.beta_adj, cfg.eps_kappa, cfg.eps_d,
+                slot_experts[t0:t1] if sum_fields else None, self.layer.num_experts)
+            paths.add(path)
+            c2[t0:t1], c2_ok[t0:t1], v_k[t0:t1], d_adj[t0:t1], jump[t0:t1] = part[:5]
+            if part.field_sum is not None:
+                f_sum += part.field_sum
             if t1 == n:
                 u_rand, *sampled = u_groups[1:]
+        if self.batch.keep:  # eager where any chunk was
+            self.acc.arrays["kernels"][self.batch.start : self.batch.end] = min(map(KERNEL_PATHS.index, paths))
         u_anchors = self._anchor_calls(anchors, g2)
         v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
         e_k = sel.sm.e_k

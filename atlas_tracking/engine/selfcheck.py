@@ -37,6 +37,7 @@ import torch
 
 from atlas_tracking.adapters.base import Routing
 from atlas_tracking.engine.combine import PATHS
+from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -205,8 +206,10 @@ class SelfCheck:
 
 def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
     """One layer's worst error per check over the canary (None where not measured), the tolerance, the
-    share of tokens whose model choice is not a top-k of the adapter's scores, and how the layer's output
-    came about in the gate (``layer_output``: the paths of ``engine/combine.py`` joined by ``+``)."""
+    share of tokens whose model choice is not a top-k of the adapter's scores, how the layer's output
+    came about in the gate (``layer_output``: the paths of ``engine/combine.py`` joined by ``+``) and how its field
+    arithmetic ran (``kernels``: the paths of ``engine/kernels.py`` joined by ``+``, with ``kernels_fallback``, why
+    this process runs it eagerly, where a compile failed)."""
     errs = np.asarray(host["selfcheck"], dtype=np.float64)
     summary: dict[str, Any] = {}
     for j, name in enumerate(CHECKS):
@@ -216,6 +219,9 @@ def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
     summary["tolerance"] = float(np.nanmax(tol)) if np.isfinite(tol).any() else None
     summary["rank_violation_share"] = float(np.sum(host["rank_violations"])) / max(1, np.asarray(host["margin"]).size)
     summary["layer_output"] = "+".join(PATHS[c] for c in np.unique(np.asarray(host["layer_output"])))
+    summary["kernels"] = "+".join(KERNEL_PATHS[c] for c in np.unique(np.asarray(host["kernels"])))
+    if PROCESS_KERNELS.fallback is not None and "eager" in summary["kernels"]:
+        summary["kernels_fallback"] = PROCESS_KERNELS.fallback
     return summary
 
 

@@ -64,6 +64,11 @@ class ReceiptsConfig:
     built from them wherever that is the model's own output bit for bit (checked at a layer's first call under
     each arithmetic, once per process; otherwise the experts' own forward runs as well). False leaves the
     forward untouched and evaluates the fields a second time in the block's hook (docs/receipts.md#precision)."""
+    kernels: Literal["auto", "compiled", "eager"] = "auto"
+    """How the per-token field arithmetic runs: "compiled" (``torch.compile``, once per process), "eager", or
+    "auto" (default): compiled on a CUDA device where triton is importable, eager elsewhere (on a CPU a compile
+    costs seconds per process and needs a C++ compiler). A compile that fails falls back to eager for the rest
+    of the process, never failing a gate (docs/receipts.md#field-kernels)."""
     anchors: int = 1024
     """Anchor tokens kept in a baseline for drift receipts."""
     baseline_fields_dtype: Literal["float32", "float16", "bfloat16"] | None = None
