@@ -78,22 +78,21 @@ class BaselineError(ValueError):
 
 @dataclass(frozen=True)
 class LayerReference:
-    """One routed layer of a baseline as drift reads it: the rows of its anchors on demand, on the model's device,
-    and what a compact form needs beside them (the norm's ``gamma0`` and ``beta0`` to recompute ``g0``, the
+    """One routed layer of a baseline as drift reads it: the rows of its anchors on demand, and, on the model's
+    device, what a compact form needs beside them (the norm's ``gamma0`` and ``beta0`` to recompute ``g0``, the
     projection ``sketch`` of the fields)."""
 
     tensors: Mapping[str, torch.Tensor]
     layer: int
-    device: torch.device
     gamma0: torch.Tensor | None = None
     beta0: torch.Tensor | None = None
     sketch: torch.Tensor | None = None
 
     def rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
-        """Anchors ``start:end`` of each stored per-anchor tensor (``b0`` as bool) on the device, read now: a
-        baseline loaded from disk holds none of them in between."""
+        """Anchors ``start:end`` of each stored per-anchor tensor (``b0`` as bool), read now and on the host (a
+        baseline loaded from disk holds none of them in between); the gate sends them to ``device``."""
         keys = [f"{self.layer}.{key}" for key in BASE_TENSORS if f"{self.layer}.{key}" in self.tensors]
-        out = {key.split(".", 1)[1]: t.to(self.device) for key, t in read_rows(self.tensors, keys, start, end).items()}
+        out = {key.split(".", 1)[1]: t for key, t in read_rows(self.tensors, keys, start, end).items()}
         out["b0"] = out["b0"].bool()
         return out
 
@@ -282,7 +281,7 @@ class Baseline:
         if storage is not None and storage["sketch_dim"]:
             width = self.manifest["model"]["layers"][i]["hidden_size"]
             sketch = sketch_matrix(storage["sketch_dim"], width, storage["sketch_seed"]).to(device)
-        return LayerReference(self.tensors, i, device, sketch=sketch, **norm)
+        return LayerReference(self.tensors, i, sketch=sketch, **norm)
 
 
 def _storage(anchors: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:

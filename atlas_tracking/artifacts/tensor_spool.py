@@ -77,7 +77,7 @@ class TensorSpool(Mapping[str, torch.Tensor]):
         fh = self._files[self._own].fh
         offset = fh.seek(0, io.SEEK_END)
         host = rows.detach().contiguous()
-        host = host if host.device.type == "cpu" else host.cpu()  # a gate hands host rows (engine/readback.py)
+        host = host if host.device.type == "cpu" else host.cpu()  # a gate hands host rows (engine/transfer.py)
         fh.write(host.reshape(-1).view(torch.uint8).numpy().data)
         self._blocks.setdefault(name, []).append(_Block(start, rows.shape[0], self._own, offset))
 

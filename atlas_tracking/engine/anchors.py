@@ -38,14 +38,14 @@ class AnchorPlan:
         return cls(positions=positions, window=canary.window)
 
     def device_slices(self, batches: list[tuple[int, int]], device) -> dict[tuple[int, int], tuple[int, int, Any]]:
-        """``slice_for`` of every micro-batch, with the local positions already on ``device`` (one copy each)."""
+        """``slice_for`` of every micro-batch, with the local positions already on ``device``: all micro-batches' in
+        one copy from the host (each a copy of its own would wait for the device at every micro-batch)."""
         import torch
 
-        out = {}
-        for start, end in batches:
-            a0, a1, local = self.slice_for(start, end)
-            out[(start, end)] = (a0, a1, torch.from_numpy(local).to(device))
-        return out
+        slices = [self.slice_for(start, end) for start, end in batches]
+        local = torch.from_numpy(np.concatenate([loc for _, _, loc in slices] or [np.zeros(0, np.int64)])).to(device)
+        parts = torch.split(local, [len(loc) for _, _, loc in slices])
+        return {batch: (a0, a1, part) for batch, (a0, a1, _), part in zip(batches, slices, parts)}
 
     def slice_for(self, start_window: int, end_window: int) -> tuple[int, int, np.ndarray]:
         """Anchor index range ``[a0, a1)`` inside windows ``[start, end)`` and their local flat positions."""

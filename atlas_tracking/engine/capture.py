@@ -23,9 +23,9 @@ from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
 from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
-from atlas_tracking.engine.readback import read_back
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
+from atlas_tracking.engine.transfer import read_back, send
 from atlas_tracking.receipts.consistency import set_overlap
 from atlas_tracking.receipts.coupling import state_rows, unit_rows, window_sums
 from atlas_tracking.receipts.drift import (
@@ -74,7 +74,8 @@ def field_carriers(layer: RoutedLayer, device: torch.device) -> torch.Tensor:
     """``[E]`` True for each expert of ``layer`` that carries a field: all but its zero-computation experts
     (docs/receipts.md#zero-computation-experts)."""
     carries = torch.ones(layer.num_experts, dtype=torch.bool, device=device)
-    carries[sorted(layer.zero_experts)] = False
+    for expert in sorted(layer.zero_experts):  # each a fill on the device: no index tensor copied from the host
+        carries[expert] = False
     return carries
 
 
@@ -252,7 +253,7 @@ class LayerAccumulator:
         self.cells.append(cell_keys(active, self.n_experts))
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
-        """What the host reads of this layer, still on the device (``engine/readback.py`` copies a gate's at once):
+        """What the host reads of this layer, still on the device (``engine/transfer.py`` copies a gate's at once):
         the per-window arrays, the stacked sums and counts, and the active-set keys of every kept token."""
         return {
             **self.arrays,
@@ -561,7 +562,7 @@ class LayerCapture:
                 routing = self.layer.route(g)
             out.append(AnchorBatch(a0, loc, z, g, routing, routing.active, collect=True))
         for target, ref in drifts:
-            rows = ref.rows(a0, a1)  # this layer's rows of this micro-batch only: host memory is one layer's at most
+            rows = send(ref.rows(a0, a1), x2.device)  # this layer's rows of this micro-batch only, in one copy
             z0 = rows["z0"].float()
             g = self.layer.gain(z0).to(dtype)  # transport: Gamma_j z0 (+ beta_j)
             with self._model_arithmetic():
@@ -876,7 +877,7 @@ def host_per_window(host: dict[str, Any], deltas: list[float]) -> dict[str, Any]
 
 def spool_collected(captures: list[LayerCapture]) -> None:
     """At the end of a micro-batch, move the anchor rows every layer on an accelerator collected to its spool
-    (docs/record.md#baselines-on-disk), all layers' read back to the host in one transfer (``engine/readback.py``); a
+    (docs/record.md#baselines-on-disk), all layers' read back to the host in one transfer (``engine/transfer.py``); a
     layer on the CPU has spooled them as it collected them."""
     held = [cap for cap in captures if cap.collected]
     for cap, rows in zip(held, read_back([cap.collected for cap in held])):

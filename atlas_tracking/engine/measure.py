@@ -55,9 +55,9 @@ from atlas_tracking.engine.coupling import (
     merge,
     window_entry,
 )
-from atlas_tracking.engine.readback import read_back
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
+from atlas_tracking.engine.transfer import read_back
 from atlas_tracking.receipts.kl import base_topk, window_kl
 from atlas_tracking.receipts.lifecycle import protected_ordinals
 from atlas_tracking.receipts.nll import window_nll

@@ -13,7 +13,7 @@ import torch
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.adapters.base import find_routed_layers
 from atlas_tracking.engine.measure import micro_batches
-from atlas_tracking.engine.readback import read_back
+from atlas_tracking.engine.transfer import read_back, send
 from atlas_tracking.testing.bench import plain_forward
 from atlas_tracking.testing.families import family_model
 from atlas_tracking.testing.host_reads import host_reads
@@ -88,3 +88,19 @@ def test_read_back_returns_every_dtype_and_shape_in_one_read():
     assert tree["f"][0, 0] != 1e9
     for key in ("f", "h", "i"):  # and holds its own memory: pickled to another rank, it carries no other tensor's
         assert host[key].untyped_storage().nbytes() == tree[key].numel() * tree[key].element_size()
+
+
+def test_send_packs_every_dtype_into_one_buffer_and_back():
+    """``send``'s packing on the host (the copy to an accelerator is the one step a CPU cannot run)."""
+    from atlas_tracking.engine.transfer import pack, places, unpack
+
+    rows = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False]), torch.randn(2, dtype=torch.float16),
+            torch.zeros(0, 4)]
+    starts, size = places(rows)
+    assert all(start % 16 == 0 for start in starts) and size >= sum(t.numel() * t.element_size() for t in rows)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    pack(rows, buffer)
+    for t, back in zip(rows, unpack(buffer, rows, copy=False)):
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    rows_of = {"z0": rows[0], "R0": rows[1]}
+    assert send(rows_of, "cpu") is rows_of
