@@ -22,6 +22,7 @@ from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
 from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
+from atlas_tracking.engine.free_memory import field_rows
 from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
@@ -287,6 +288,7 @@ class LayerCapture:
         post_base: LayerReference | None = None,
         storage: AnchorStorage | None = None,
         index: int = 0,
+        free_memory: int | None = None,
     ):
         self.layer = layer
         self.acc = acc
@@ -296,6 +298,9 @@ class LayerCapture:
         """Where the anchors of the baseline being collected go (None: this gate collects none)."""
         self.collect = spool is not None
         self.index = index
+        self.free_memory = free_memory
+        """Bytes free on the device when the gate started (None: unknown): bounds a chunked call's rows
+        (``engine/free_memory.py``)."""
         """The layer's index in the gate: its tensors' names in the baseline (``"{index}.z0"``, ...)."""
         self.references = {"": base, "base.": post_base}
         """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
@@ -610,7 +615,8 @@ class LayerCapture:
         call of the field evaluator holds at most
         ``token_chunk`` tokens (default: ``N k / 2`` rows, half the forward's own (token, expert) pairs,
         since a call materialises its input and output rows; at least ``FIELD_ROWS_BUDGET / d`` rows,
-        so narrow models make one call), and only per-token reductions outlive it: State2 comes from
+        so narrow models make one call; and within a share of the memory free when the gate started,
+        ``engine/free_memory.py``), and only per-token reductions outlive it: State2 comes from
         the Gram matrix of the tangent fields, the distances and the jump from three ``[N, d]`` fields
         (tangent projection is linear). The evaluator sets the number of calls (under expert
         parallelism, the largest any rank of the group needs; the extra calls are empty).
@@ -633,6 +639,9 @@ class LayerCapture:
         extra = [(g2.index_select(0, sel.b_pos), sel.e_rand.view(-1, 1)), *(sample or [])]
         width = k + 1 if handed is None else 1  # rows per token in a chunked call
         per_call = cfg.token_chunk or max(1, max(n * k // 2, FIELD_ROWS_BUDGET // d) // width)
+        affordable = field_rows(self.free_memory, d, g2.element_size())
+        if cfg.token_chunk is None and affordable is not None:
+            per_call = max(1, min(per_call, affordable // width))
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
         c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
         v_k = torch.empty(n, d, device=dev)

@@ -55,6 +55,7 @@ from atlas_tracking.engine.coupling import (
     merge,
     window_entry,
 )
+from atlas_tracking.engine.free_memory import free_bytes
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.engine.transfer import read_back
@@ -203,11 +204,12 @@ def measure_partial(
                                                                                      anchors.positions)
     storage = anchor_storage(rcfg, layers, anchors) if collect else None  # a ConfigError before any forward
     spool = TensorSpool() if collect else None
+    free = free_bytes(device)  # bounds the chunked calls of the experts (docs/receipts.md#memory)
     for i, layer in enumerate(layers):
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_reference(i, device) if baseline is not None else None
         since = post_base.layer_reference(i, device) if post_base is not None and same_anchors else None
-        captures.append(LayerCapture(layer, acc, rcfg, slices, spool, base, since, storage, index=i))
+        captures.append(LayerCapture(layer, acc, rcfg, slices, spool, base, since, storage, index=i, free_memory=free))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     kl_k = rcfg.kl_top_k if collect else 0

@@ -58,7 +58,8 @@ class ReceiptsConfig:
     """Tokens per call of the experts when evaluating fields. None (default): a call holds at most half
     the forward's own (token, expert) rows of the micro-batch (a call materialises its input and output
     rows), so a gate's peak memory stays near the forward's; narrow models (rows x d within 16 MiB of
-    fp32) make one call. A larger value makes fewer, bigger calls."""
+    fp32) make one call; and no more rows than fit in a quarter of the memory free when the gate starts
+    (docs/receipts.md#memory). A larger value makes fewer, bigger calls."""
     fuse_experts: bool = True
     """Evaluate the active experts once, inside the model's own forward, and hand back the layer's output
     built from them wherever that is the model's own output bit for bit (checked at a layer's first call under

@@ -273,3 +273,34 @@ def test_wide_layers_evaluate_fields_in_calls_within_half_the_forward_rows(model
     for a, b in zip(one.layers, chunked.layers):
         for key in ("c2", "margin_mean", "ov_cf", "v2_c1", "v2_c2", "transition_incompat"):
             assert a["receipts"][key] == pytest.approx(b["receipts"][key], abs=1e-6), key
+
+
+def test_the_chunks_fit_in_the_memory_free_when_the_gate_starts(model, canary, monkeypatch):
+    """With little memory free on the device, the competitors' fields come in calls whose rows fit in a quarter of
+    it (docs/receipts.md#memory), and the receipts are those of one call per micro-batch within rounding."""
+    import atlas_tracking.engine.measure as measure_module
+    from atlas_tracking.engine.free_memory import field_rows
+
+    layers = find_routed_layers(model)
+    d, k = layers[0].hidden_size, layers[0].top_k
+    roomy = measure(model, canary, config=CFG)
+    free = 7 * d * (2 * 4 + 4 * 3) * 4  # seven fp32 rows of width d in a quarter of it
+    assert field_rows(free, d, 4) == 7
+    monkeypatch.setattr(measure_module, "free_bytes", lambda device: free)
+    rows: list[int] = []
+    original = type(layers[0].experts).forward
+
+    def counting(self, hidden_states, top_k_index, *a, **kw):
+        if top_k_index.shape[-1] == 1:
+            rows.append(hidden_states.shape[0])
+        return original(self, hidden_states, top_k_index, *a, **kw)
+
+    monkeypatch.setattr(type(layers[0].experts), "forward", counting)
+    tight = measure(model, canary, config=CFG)
+    n = CFG.receipts.batch_windows * canary.window
+    chunks = [r for r in rows if r <= 7]  # the competitors' calls: one row per token
+    assert len(chunks) >= len(layers) * len(canary.batches(CFG.receipts.batch_windows)) * (n // 7)
+    assert max(rows) == n * k  # the active set's call holds the model's own rows, whatever the memory
+    for a, b in zip(roomy.layers, tight.layers):
+        for key in ("c2", "margin_mean", "ov_cf", "v2_c1", "v2_c2", "transition_incompat"):
+            assert a["receipts"][key] == pytest.approx(b["receipts"][key], abs=1e-6), key
