@@ -9,7 +9,8 @@ runs out of time is recorded as such, and the next one runs):
 - ``megatron``: ``examples/megatron_loop.py`` on the GPU (NCCL, the alltoall dispatcher, real router gating),
   then ``atlas-tracking verify`` on every receipts artifact it wrote;
 - ``realistic``: a Qwen3-MoE-shaped model at d = 2048, 768-wide experts, E = 64, 128, 256, k = 8, 8 routed
-  layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward, peak memory ratio, host synchronisations
+  layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward (the default field kernels, and on CUDA the
+  eager ones beside them, ``receipts.kernels``), the path each layer took, peak memory ratio, host synchronisations
   per gate and the source lines that make them (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
   one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out);
 - ``profile``: ``torch.profiler``'s top operators of one gate at E = 128 (16 x 1024 tokens), device and host time;
@@ -186,6 +187,7 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
     spec = realistic_spec(bench, smoke)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = AtlasConfig.from_dict(bench.QUIET)
+    eager = AtlasConfig.from_dict({"receipts": {**bench.QUIET["receipts"], "kernels": "eager"}})
     window = spec["window"]
     canary = bench.demo_canary(n_windows=spec["windows"], window=window)
     deadline = time.perf_counter() + limit
@@ -196,9 +198,14 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
             continue
         model = bench.realistic_model(**model_shape(spec, e), device=device)
         gate = lambda m=model, c=canary: measure(m, c, config=cfg, keep_anchors=False)  # noqa: E731
-        t = bench.interleaved({"plain": lambda m=model: bench.plain_forward(m, canary, 8), "gate": gate}, 3)
-        row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"]}
+        passes = {"plain": lambda m=model: bench.plain_forward(m, canary, 8), "gate": gate}
+        if device == "cuda":  # the field arithmetic eager beside the default (compiled) path, in the same call
+            passes["gate_eager"] = lambda m=model, c=canary: measure(m, c, config=eager, keep_anchors=False)
+        t = bench.interleaved(passes, 3)
+        row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"],
+                               "kernels": sorted({lay["selfcheck"]["kernels"] for lay in gate().layers})}
         if device == "cuda":
+            row["ratio_eager"] = t["gate_eager"] / t["plain"]
             row["peak_memory"] = bench.peak_memory(model, canary)
             row["host_syncs_per_gate"], row["host_syncs_where"] = _syncs(gate)
             row["host_syncs_per_plain_forward"], _ = _syncs(lambda m=model: bench.plain_forward(m, canary, 8))
