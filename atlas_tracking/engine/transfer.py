@@ -107,13 +107,14 @@ def read_back(tree: Any) -> Any:
 
 
 def send(tree: Any, device: torch.device | str) -> Any:
-    """``tree``'s host tensors on ``device``, in one copy that the host does not wait for (from pinned memory;
-    views of one device buffer); unchanged where ``device`` is the CPU."""
+    """``tree``'s host tensors on ``device``, in one copy (on CUDA from pinned memory, which the host does not wait
+    for; views of one device buffer); unchanged where ``device`` is the CPU."""
     device = torch.device(device)
     tensors = _unique(tree)
     if device.type == "cpu" or not tensors:
         return tree
-    staging = torch.empty(places(tensors)[1], dtype=torch.uint8, pin_memory=True)
+    pinned = device.type == "cuda"  # elsewhere one ordinary copy
+    staging = torch.empty(places(tensors)[1], dtype=torch.uint8, pin_memory=pinned)
     pack(tensors, staging)
-    moved = unpack(staging.to(device, non_blocking=True), tensors, copy=False)
+    moved = unpack(staging.to(device, non_blocking=pinned), tensors, copy=False)
     return _rebuild(tree, dict(zip(map(id, tensors), moved)))
