@@ -4,7 +4,7 @@
 A gate keeps every per-window sum, count and per-layer array on the model's device until the canary has been run.
 Each copy to the host waits for the device to finish its queue (a host synchronisation); copied one by one, the
 arrays of a gate made some twenty such waits per routed layer. :func:`read_back` packs every tensor of a nested
-structure into one byte buffer per device, copies each buffer once and hands back host tensors of the same dtypes
+structure into one byte buffer per device (up to :data:`TRANSFER_BYTES` a buffer), copies each buffer once and hands back host tensors of the same dtypes
 and shapes in the same structure, each holding its own memory (a view of the buffer would carry all of it wherever
 it is pickled, to the other ranks of a distributed gate above all). :func:`send` is the other direction: host
 tensors (a baseline's rows of a micro-batch) to the device in one copy from pinned memory that does not wait.
@@ -92,17 +92,42 @@ def _unique(tree: Any) -> list[torch.Tensor]:
     return list({id(t): t for t in leaves}.values())
 
 
-def read_back(tree: Any) -> Any:
+TRANSFER_BYTES = 1 << 28
+"""The most bytes :func:`read_back` packs into one transfer (256 MiB): the packed buffer is a second copy of what it
+holds, on the device and on the host, so a frontier layout's results (at DeepSeek-V3 some 2 GB, the coupling's
+per-expert sums most of it) come in a few transfers, not one buffer of all of them."""
+
+
+def groups(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in consecutive groups of at most ``limit`` packed bytes (a larger tensor alone).
+
+    >>> [len(g) for g in groups([torch.zeros(4), torch.zeros(4), torch.zeros(64)], limit=32)]
+    [2, 1]
+    """
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = places([t])[1]
+        if not out or size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
+
+
+def read_back(tree: Any, limit: int = TRANSFER_BYTES) -> Any:
     """``tree`` (dicts, lists and tuples of tensors and other values) with every tensor on the host, copied in one
-    transfer per device; each host tensor holds its own memory."""
+    transfer per device and ``limit`` bytes (:data:`TRANSFER_BYTES`); each host tensor holds its own memory."""
     moved: dict[int, torch.Tensor] = {}
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in _unique(tree):
         by_device.setdefault(t.device, []).append(t)
     for device, tensors in by_device.items():
-        buffer = torch.empty(places(tensors)[1], dtype=torch.uint8, device=device)
-        pack(tensors, buffer)
-        moved.update(zip(map(id, tensors), unpack(buffer.cpu(), tensors, copy=True)))
+        for group in groups(tensors, limit):
+            buffer = torch.empty(places(group)[1], dtype=torch.uint8, device=device)
+            pack(group, buffer)
+            moved.update(zip(map(id, group), unpack(buffer.cpu(), group, copy=True)))
     return _rebuild(tree, moved)
 
 

@@ -104,3 +104,15 @@ def test_send_packs_every_dtype_into_one_buffer_and_back():
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
     rows_of = {"z0": rows[0], "R0": rows[1]}
     assert send(rows_of, "cpu") is rows_of
+
+
+def test_read_back_splits_what_exceeds_one_transfer():
+    """A gate's results beyond ``limit`` bytes come in consecutive transfers (the buffer is a second copy of them)."""
+    tree = [torch.arange(10, dtype=torch.float64), torch.ones(3, 4), torch.arange(100)]
+    with host_reads() as reads:
+        host = read_back(tree, limit=96)
+    assert reads.total == 3
+    assert all(torch.equal(h, t) for h, t in zip(host, tree))
+    with host_reads() as reads:
+        read_back(tree)
+    assert reads.total == 1
