@@ -94,7 +94,7 @@ def _unique(tree: Any) -> list[torch.Tensor]:
 
 TRANSFER_BYTES = 1 << 28
 """The most bytes :func:`read_back` packs into one transfer (256 MiB): the packed buffer is a second copy of what it
-holds, on the device and on the host, so a frontier layout's results (at DeepSeek-V3 some 2 GB, the coupling's
+holds, on the device and on the host, so a frontier layout's results (at DeepSeek-V3 about 2 GB by their shapes, the coupling's
 per-expert sums most of it) come in a few transfers, not one buffer of all of them."""
 
 
