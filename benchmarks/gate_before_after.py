@@ -13,7 +13,7 @@ and the receipts' largest difference between the two commits. One torch thread.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -46,8 +46,12 @@ def package_at(commit: str, into: Path) -> Any:
     (into / "atlas_tracking").rename(into / name)
     for path in (into / name).rglob("*.py"):
         path.write_text(path.read_text().replace("atlas_tracking", name))
-    sys.path.insert(0, str(into))
-    return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(name, into / name / "__init__.py",
+                                                  submodule_search_locations=[str(into / name)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its own imports of name.* resolve from here
+    spec.loader.exec_module(module)
+    return module
 
 
 def receipts_gap(a: Any, b: Any) -> float:
