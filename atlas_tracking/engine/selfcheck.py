@@ -88,7 +88,15 @@ def rel_error(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
     1.3333333730697632
     """
     ours, theirs = ours.float(), theirs.float()
-    num, den = (ours - theirs).norm(), theirs.norm()
+    return norm_ratio((ours - theirs).norm(), theirs.norm())
+
+
+def norm_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` of fp32 norms, elementwise: 0 where both are 0, inf where only ``den`` is.
+
+    >>> norm_ratio(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 0.0, 4.0])).tolist()
+    [inf, 0.0, 0.5]
+    """
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny),
                        torch.where(num > 0, float("inf"), 0.0))
 
@@ -137,9 +145,7 @@ class SelfCheck:
         """Relative errors ``[windows]`` of two ``[B, L, d]`` (sequence-first: ``[L, B, d]``) tensors."""
         dims = (0, 2) if self.layer.sequence_first else (1, 2)
         ours, theirs = ours.float(), theirs.float()
-        num, den = (ours - theirs).norm(dim=dims), theirs.norm(dim=dims)
-        return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny),
-                           torch.where(num > 0, float("inf"), 0.0))
+        return norm_ratio((ours - theirs).norm(dim=dims), theirs.norm(dim=dims))
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, g: torch.Tensor, block_input: Any, routing: Routing,

@@ -1,0 +1,149 @@
+"""Where a gate's time goes beyond the plain forward, part by part, in one process.
+
+``python benchmarks/gate_breakdown.py --width 64`` writes ``benchmarks/gate_breakdown_w64.json``: for a freshly
+initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token
+canary in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a
+gate (no baseline, eager field arithmetic) split into: the experts' calls that give the active fields (the gate's
+stand-in for the model's own call, one (token, expert) pair per row), those for the competitors (the adjacent and
+random ones, the self-check's sample), the per-token field arithmetic (``receipts/field_chunk.py``), the re-route
+of the post-update state for ``ov_cf`` (the model's norm and router), the self-check, and the rest. Each part is
+timed by wrapping the engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few
+microseconds a call, falls into the parts), the passes interleaved, the medians of ``--repeats``; every part is
+also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking.adapters.hf import HFLayer
+from atlas_tracking.engine import capture
+from atlas_tracking.engine.kernels import ChunkKernels
+from atlas_tracking.engine.selfcheck import SelfCheck
+from atlas_tracking.testing.bench import plain_forward, write_result
+from atlas_tracking.testing.demo import demo_canary
+from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
+HERE = Path(__file__).resolve().parent
+LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
+
+
+class PartTimer:
+    """CPU seconds spent inside wrapped functions, by part (a call inside another wrapped call counts once, in the
+    innermost part, and is taken out of the outer one)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []  # CPU seconds of inner parts, per open call
+
+    def wrap(self, part: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` timed into ``part`` (or ``part(*args)``: the part's name from the call's arguments)."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append(0.0)
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.process_time() - t0
+                inner = self._stack.pop()
+                self.seconds[part(*args) if callable(part) else part] += spent - inner
+                if self._stack:
+                    self._stack[-1] += spent
+
+        return timed
+
+    def run(self, fn: Callable[[], Any]) -> dict[str, float]:
+        """CPU seconds of ``fn()`` by part, with ``total`` and ``rest`` (outside every wrapped call)."""
+        self.seconds.clear()
+        t0 = time.process_time()
+        fn()
+        total = time.process_time() - t0
+        return {**self.seconds, "total": total, "rest": total - sum(self.seconds.values())}
+
+
+def pair_call_part(cap: Any, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> str:
+    """A call of the experts for the active fields holds one group of ``k`` experts a row; any other holds the
+    competitors (one expert a row) and the self-check's sample."""
+    return "experts_active" if groups and groups[0][1].dim() == 2 and groups[0][1].shape[1] > 1 else \
+        "experts_competitors"
+
+
+def instrument(timer: PartTimer) -> None:
+    """Wrap the gate's parts' functions for the rest of the process (this benchmark only)."""
+    lc = capture.LayerCapture
+    lc._pair_call = timer.wrap(pair_call_part, lc._pair_call)
+    ChunkKernels.__call__ = timer.wrap("field_arithmetic", ChunkKernels.__call__)
+    HFLayer.route_active = timer.wrap("reroute_ov_cf", HFLayer.route_active)
+    SelfCheck.observe = timer.wrap("selfcheck", SelfCheck.observe)
+    lc.compute = timer.wrap("receipts_per_window", lc.compute)
+    lc.select = timer.wrap("selection", lc.select)
+
+
+def own_experts_timed(timer: PartTimer, experts: list[torch.nn.Module], run: Callable[[], Any]) -> Any:
+    """``run()`` with the model's own experts calls timed as ``experts_own`` (a plain forward: in a gate, the
+    capture stands in for them and its calls are timed as its own parts)."""
+    for module in experts:
+        module.forward = timer.wrap("experts_own", module.forward)
+    try:
+        return run()
+    finally:
+        for module in experts:
+            del module.forward
+
+
+def one_width(width: int, repeats: int) -> dict[str, Any]:
+    model = build_qwen3_moe(seed=0, hidden=width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
+    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": BATCH}})
+    timer = PartTimer()
+    instrument(timer)
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    passes = {"plain": lambda: own_experts_timed(timer, experts, lambda: plain_forward(model, canary, BATCH)),
+              "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
+    for run in passes.values():  # warm-up
+        run()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
+    for _ in range(repeats):
+        for name, run in passes.items():
+            runs[name].append(timer.run(run))
+    med = {name: {part: statistics.median(r.get(part, 0.0) for r in rs) for part in sorted({p for r in rs for p in r})}
+           for name, rs in runs.items()}
+    plain = med["plain"]["total"]
+    own = med["plain"].get("experts_own", 0.0)
+    gate = med["gate"]
+    return {
+        "plain_seconds": {"total": plain, "experts_own": own},
+        "gate_seconds": gate,
+        "gate_over_plain": gate["total"] / plain,
+        "over_plain_forward": {part: seconds / plain for part, seconds in gate.items()},
+        "experts_calls_over_own": (gate.get("experts_active", 0.0) + gate.get("experts_competitors", 0.0)) / own,
+        "experts_active_over_own": gate.get("experts_active", 0.0) / own,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None, help="default benchmarks/gate_breakdown_w{width}.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    result = {"torch_threads": 1, "repeats": args.repeats, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K,
+              "width": args.width, "canary_windows": WINDOWS, "batch_windows": BATCH, "kernels": "eager",
+              **one_width(args.width, args.repeats)}
+    write_result(result, args.out or HERE / f"gate_breakdown_w{args.width}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
