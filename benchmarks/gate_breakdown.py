@@ -15,10 +15,11 @@ also given over the plain forward's time. One torch thread. Results in ``benchma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,15 +79,22 @@ def pair_call_part(cap: Any, groups: list[tuple[torch.Tensor, torch.Tensor]], li
         "experts_competitors"
 
 
-def instrument(timer: PartTimer) -> None:
-    """Wrap the gate's parts' functions for the rest of the process (this benchmark only)."""
+@contextlib.contextmanager
+def instrumented(timer: PartTimer) -> Iterator[None]:
+    """The gate's parts' functions wrapped by ``timer`` inside the block, the engine's own again after it (a
+    benchmark-only instrument)."""
     lc = capture.LayerCapture
-    lc._pair_call = timer.wrap(pair_call_part, lc._pair_call)
-    ChunkKernels.__call__ = timer.wrap("field_arithmetic", ChunkKernels.__call__)
-    HFLayer.route_active = timer.wrap("reroute_ov_cf", HFLayer.route_active)
-    SelfCheck.observe = timer.wrap("selfcheck", SelfCheck.observe)
-    lc.compute = timer.wrap("receipts_per_window", lc.compute)
-    lc.select = timer.wrap("selection", lc.select)
+    targets = [(lc, "_pair_call", pair_call_part), (ChunkKernels, "__call__", "field_arithmetic"),
+               (HFLayer, "route_active", "reroute_ov_cf"), (SelfCheck, "observe", "selfcheck"),
+               (lc, "compute", "receipts_per_window"), (lc, "select", "selection")]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
+    for owner, name, part in targets:
+        setattr(owner, name, timer.wrap(part, getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
 
 
 def own_experts_timed(timer: PartTimer, experts: list[torch.nn.Module], run: Callable[[], Any]) -> Any:
@@ -106,16 +114,16 @@ def one_width(width: int, repeats: int) -> dict[str, Any]:
     canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": BATCH}})
     timer = PartTimer()
-    instrument(timer)
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     passes = {"plain": lambda: own_experts_timed(timer, experts, lambda: plain_forward(model, canary, BATCH)),
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
-    for run in passes.values():  # warm-up
-        run()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
-    for _ in range(repeats):
-        for name, run in passes.items():
-            runs[name].append(timer.run(run))
+    with instrumented(timer):
+        for run in passes.values():  # warm-up
+            run()
+        for _ in range(repeats):
+            for name, run in passes.items():
+                runs[name].append(timer.run(run))
     med = {name: {part: statistics.median(r.get(part, 0.0) for r in rs) for part in sorted({p for r in rs for p in r})}
            for name, rs in runs.items()}
     plain = med["plain"]["total"]
