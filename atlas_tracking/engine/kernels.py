@@ -2,8 +2,10 @@
 docs/receipts.md#field-kernels).
 
 Each chunk of a routed layer's fields is reduced by one function, ``receipts/field_chunk.chunk_receipts``. Eager,
-it is a few dozen small operations over ``[tokens, k, d]`` fields; compiled (``torch.compile(dynamic=True)``, once
-per process, for every shape), they are fused, the fields' cast to fp32 included. ``"auto"`` compiles on a CUDA
+it is a few dozen small operations over ``[tokens, k, d]`` fields; compiled (``torch.compile(dynamic=True,
+fullgraph=True)``, once per process, for every shape), they are fused, the fields' cast to fp32 included. A whole
+graph or none: where the compiler would break the function into parts or, past its recompile limit, run it
+uncompiled, it raises instead, so a chunk the record calls compiled was compiled. ``"auto"`` compiles on a CUDA
 device where triton is importable and stays eager elsewhere: on a CPU a compile costs seconds in every process and
 needs a C++ compiler. A compile, or a compiled call, that raises is never a gate's failure: the chunk is computed
 eagerly, and so is every later chunk of the process; the reason is kept (:attr:`ChunkKernels.fallback`) and the
@@ -80,7 +82,7 @@ class ChunkKernels:
         if self.path(setting, args[0].device) == "compiled":
             try:
                 if self.compiled is None:
-                    self.compiled = torch.compile(chunk_receipts, dynamic=True)
+                    self.compiled = torch.compile(chunk_receipts, dynamic=True, fullgraph=True)
                 return self.compiled(*args, **kwargs), "compiled"
             except Exception as exc:  # a compile failure never fails the gate
                 self.fallback = failure_reason(exc)

@@ -156,3 +156,10 @@ def test_the_compiled_path_is_the_eager_one(monkeypatch):
     close(compiled["per_window"], eager["per_window"])
     close([{**lay, "selfcheck": None} for lay in compiled["layers"]],
           [{**lay, "selfcheck": None} for lay in eager["layers"]])
+    # past the compiler's recompile limit the compiled function would run uncompiled: it raises, and the chunk and
+    # the process go eager with the reason, instead of a record that says compiled
+    args = chunk(8, 2, 16, 6, torch.float32)  # fp32 fields: the bf16 gate's compile does not hold
+    with torch._dynamo.config.patch(recompile_limit=1):
+        part, path = PROCESS_KERNELS("compiled", *args)
+    assert path == "eager" and PROCESS_KERNELS.fallback.startswith("FailOnRecompileLimitHit"), PROCESS_KERNELS.fallback
+    assert torch.equal(part.c2, chunk_receipts(*args).c2)
