@@ -74,21 +74,26 @@ class PartTimer:
 
 def pair_call_part(cap: Any, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> str:
     """A call of the experts for the active fields holds one group of ``k`` experts a row; any other holds the
-    competitors (one expert a row) and the self-check's sample."""
+    competitors (one expert a row) and the self-check's sample. Told apart by the width of the first group's rows,
+    so only for k > 1 and gates without anchors (a drift gate's anchor calls hold ``k`` experts a row too)."""
     return "experts_active" if groups and groups[0][1].dim() == 2 and groups[0][1].shape[1] > 1 else \
         "experts_competitors"
 
 
+PARTS: list[tuple[type, str, str | Callable[..., str]]] = [
+    (capture.LayerCapture, "_pair_call", pair_call_part), (ChunkKernels, "__call__", "field_arithmetic"),
+    (HFLayer, "route_active", "reroute_ov_cf"), (SelfCheck, "observe", "selfcheck"),
+    (capture.LayerCapture, "compute", "receipts_per_window"), (capture.LayerCapture, "select", "selection"),
+]
+"""The engine's functions a gate's parts are timed in: (class, function, part or how the call names its part)."""
+
+
 @contextlib.contextmanager
 def instrumented(timer: PartTimer) -> Iterator[None]:
-    """The gate's parts' functions wrapped by ``timer`` inside the block, the engine's own again after it (a
-    benchmark-only instrument)."""
-    lc = capture.LayerCapture
-    targets = [(lc, "_pair_call", pair_call_part), (ChunkKernels, "__call__", "field_arithmetic"),
-               (HFLayer, "route_active", "reroute_ov_cf"), (SelfCheck, "observe", "selfcheck"),
-               (lc, "compute", "receipts_per_window"), (lc, "select", "selection")]
-    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
-    for owner, name, part in targets:
+    """The gate's parts' functions (:data:`PARTS`) wrapped by ``timer`` inside the block, the engine's own again
+    after it (a benchmark-only instrument)."""
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in PARTS]
+    for owner, name, part in PARTS:
         setattr(owner, name, timer.wrap(part, getattr(owner, name)))
     try:
         yield
@@ -100,13 +105,17 @@ def instrumented(timer: PartTimer) -> Iterator[None]:
 def own_experts_timed(timer: PartTimer, experts: list[torch.nn.Module], run: Callable[[], Any]) -> Any:
     """``run()`` with the model's own experts calls timed as ``experts_own`` (a plain forward: in a gate, the
     capture stands in for them and its calls are timed as its own parts)."""
+    own = [module.__dict__.get("forward") for module in experts]  # an instance's own forward, where it has one
     for module in experts:
         module.forward = timer.wrap("experts_own", module.forward)
     try:
         return run()
     finally:
-        for module in experts:
-            del module.forward
+        for module, forward in zip(experts, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def one_width(width: int, repeats: int) -> dict[str, Any]:

@@ -8,10 +8,6 @@ import time
 import torch
 
 from atlas_tracking import AtlasConfig, Canary, measure
-from atlas_tracking.adapters.hf import HFLayer
-from atlas_tracking.engine import capture
-from atlas_tracking.engine.kernels import ChunkKernels
-from atlas_tracking.engine.selfcheck import SelfCheck
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -38,8 +34,7 @@ def test_nested_parts_are_counted_once(script):
 
 def test_a_gate_shows_every_part_and_the_engine_is_restored(script):
     bench = script("benchmarks/gate_breakdown.py")
-    originals = [capture.LayerCapture._pair_call, ChunkKernels.__call__, HFLayer.route_active, SelfCheck.observe,
-                 capture.LayerCapture.compute, capture.LayerCapture.select]
+    originals = [owner.__dict__[name] for owner, name, _ in bench.PARTS]
     model = build_qwen3_moe(seed=0, hidden=32, layers=2, experts=8, top_k=2, aux_coef=0.0).eval()
     canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=32, n_windows=4, seed=0)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": 2}})
@@ -48,8 +43,7 @@ def test_a_gate_shows_every_part_and_the_engine_is_restored(script):
         parts = timer.run(lambda: measure(model, canary, config=cfg, keep_anchors=False))
     assert set(parts) >= GATE_PARTS, sorted(parts)
     assert all(seconds >= 0 for seconds in parts.values())
-    assert [capture.LayerCapture._pair_call, ChunkKernels.__call__, HFLayer.route_active, SelfCheck.observe,
-            capture.LayerCapture.compute, capture.LayerCapture.select] == originals
+    assert [owner.__dict__[name] for owner, name, _ in bench.PARTS] == originals
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     with torch.no_grad():
         ids = torch.as_tensor(canary.windows[:2], dtype=torch.long)
