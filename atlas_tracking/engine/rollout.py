@@ -5,8 +5,8 @@ engine's (docs/rollout.md).
 ``[seq, layers, k]`` arrays, batched as ``[batch, seq, layers, k]``), runs the model's own forward on the same
 tokens as the model is (its dtype, its autocast, its device, its mode), reads every routed layer's routing from
 its router with the adapters a gate uses, and compares the two per token position
-(:mod:`atlas_tracking.receipts.rollout`). Nothing is counted by the between-gates telemetry (the forward reads
-the model, it does not train it) and nothing is written: a plain loop hands the result to
+(:mod:`atlas_tracking.receipts.rollout`). Nothing is counted by the between-gates telemetry (the forward runs
+without gradients: it reads the model, it does not train it) and nothing is written: a plain loop hands the result to
 :meth:`~atlas_tracking.gate.AtlasGate.rollout` to record it.
 
 Example (a rollout engine that routes the same as the trainer, but for one planted swap):
@@ -41,7 +41,6 @@ from atlas_tracking.adapters import find_routed_layers
 from atlas_tracking.adapters.base import RoutedLayer
 from atlas_tracking.engine.collectives import checkpoint
 from atlas_tracking.engine.param_reference import collective_device
-from atlas_tracking.engine.route_counts import not_counted
 from atlas_tracking.receipts.rollout import (
     COUNTS,
     LOGPROB_COUNTS,
@@ -194,14 +193,14 @@ class RouterReads:
         return on_router
 
     def run(self, call: Callable[[], Any], tokens: int | None) -> Any:
-        """``call()`` (the forward, or a whole ``generate``) with the hooks on, under ``no_grad``, uncounted and
+        """``call()`` (the forward, or a whole ``generate``) with the hooks on, under ``no_grad`` (so uncounted) and
         inside every layer's :meth:`~atlas_tracking.adapters.base.RoutedLayer.gate_context` (a router that samples,
         such as DeepSpeed's second-expert sampling, routes deterministically, and the training run's random stream
         is left as it was); every routed layer must have routed ``tokens`` positions (None: any number)."""
         handles = [layer.router.register_forward_hook(self.hook(i), with_kwargs=True)
                    for i, layer in enumerate(self.layers)]
         try:
-            with torch.no_grad(), not_counted(), contextlib.ExitStack() as contexts:
+            with torch.no_grad(), contextlib.ExitStack() as contexts:
                 for layer in self.layers:  # a router that samples reads as a gate reads it (and leaves no trace)
                     contexts.enter_context(layer.gate_context())
                 output = call()

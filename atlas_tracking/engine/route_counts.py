@@ -4,10 +4,12 @@ A :class:`RouteCounter` puts one forward hook on the router of every routed laye
 reads). In each training forward the hook adds the router's own choice, per expert
 (:meth:`~atlas_tracking.adapters.base.RoutedLayer.count_routes`), to counts kept on the router's device: an
 ``index_add_``, no host synchronisation. A router call is counted when the router is in training mode, outside
-a gate (:meth:`RouteCounter.paused`) and outside a backward pass: an activation checkpoint that runs the
-forward again during the backward is not a second forward, so it is never counted twice (reentrant and
-non-reentrant checkpointing alike: both recompute inside the autograd engine's backward), nor is the forward a
-pipeline stage runs once to learn its shapes (:func:`in_pipeline_metadata_inference`).
+a gate (:meth:`RouteCounter.paused`), with gradients on (:func:`without_gradients`: a log-probability pass or a
+generation under ``torch.no_grad()`` reads the model, it does not train it) and outside a backward pass: an
+activation checkpoint that runs the forward again during the backward is not a second forward, so it is never
+counted twice (reentrant and non-reentrant checkpointing alike: both recompute inside the autograd engine's
+backward), nor is the forward a pipeline stage runs once to learn its shapes
+(:func:`in_pipeline_metadata_inference`).
 
 :meth:`RouteCounter.collect` closes a logging interval on every process at once: one ``all_reduce`` over the
 default process group of one int64 tensor (every layer's chosen and dropped routes, tokens, router calls
@@ -27,6 +29,8 @@ Example:
     >>> counter = RouteCounter(find_routed_layers(model)).attach()
     >>> _ = model.train()(torch.randint(0, 64, (2, 16)))        # a training forward: counted
     >>> _ = model.eval()(torch.randint(0, 64, (2, 16)))         # an evaluation forward: not counted
+    >>> with torch.no_grad():                                   # a log-probability pass in training mode: not counted
+    ...     _ = model.train()(torch.randint(0, 64, (2, 16)))
     >>> interval = counter.collect()
     >>> [(row["layer"], row["tokens"], sum(row["load"])) for row in interval.layers]
     [(0, 32, 64), (1, 32, 64)]
@@ -56,6 +60,48 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def in_recorded_function_forward() -> bool:
+    """True inside the ``forward`` of an autograd function that autograd records on this thread (one applied with
+    gradients on, to an input that requires them): where torch's reentrant checkpoint (``use_reentrant=True``),
+    DeepSpeed's and Megatron's recomputation run a training forward with gradients off. The same function applied under ``torch.no_grad()`` is not recorded. It looks for a
+    caller whose first argument is an autograd function's context with a place in the graph:
+
+    >>> class Twice(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         return x * 2 if in_recorded_function_forward() else x
+    >>> x = torch.ones(1, requires_grad=True)
+    >>> Twice.apply(x).item(), in_recorded_function_forward()
+    (2.0, False)
+    >>> with torch.no_grad():
+    ...     Twice.apply(x).item()
+    1.0
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "ctx":
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.FunctionCtx) and getattr(ctx, "next_functions", ()):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def without_gradients() -> bool:
+    """True when the router runs with gradients off (``torch.no_grad()``, ``torch.inference_mode()``) outside a
+    recorded autograd function's forward (:func:`in_recorded_function_forward`): a pass that reads the model in
+    training mode (a trainer's old-policy or reference log-probabilities, a generation) and does not train it.
+
+    >>> with torch.no_grad():
+    ...     without_gradients()
+    True
+    >>> without_gradients()
+    False
+    """
+    return not torch.is_grad_enabled() and not in_recorded_function_forward()
+
+
 def in_pipeline_metadata_inference() -> bool:
     """True inside the forward a ``torch.distributed.pipelining.PipelineStage`` runs at its first step to learn the
     shapes it sends (the first micro-batch on the first stage, uninitialised tensors of the received shape on the
@@ -75,26 +121,6 @@ def in_pipeline_metadata_inference() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-_NOT_COUNTED = [0]
-"""How many :func:`not_counted` blocks are open (every counter on this process skips their router calls)."""
-
-
-@contextlib.contextmanager
-def not_counted() -> Iterator[None]:
-    """No counter counts a router call inside the block: a forward that reads the model rather than trains it
-    (a rollout-agreement forward run in training mode), whichever gate's counter is attached.
-
-    >>> with not_counted():
-    ...     _NOT_COUNTED[0]
-    1
-    """
-    _NOT_COUNTED[0] += 1
-    try:
-        yield
-    finally:
-        _NOT_COUNTED[0] -= 1
 
 
 def _distributed() -> bool:
@@ -192,8 +218,8 @@ class RouteCounter:
 
     def _hook(self, entry: _Local):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if (self._paused or _NOT_COUNTED[0] or not module.training or in_backward() or not entry.counting()
-                    or in_pipeline_metadata_inference()):
+            if (self._paused or not module.training or in_backward() or not entry.counting()
+                    or without_gradients() or in_pipeline_metadata_inference()):
                 return
             inputs = args or tuple(kwargs.values())
             try:

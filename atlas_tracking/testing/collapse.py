@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,9 +42,13 @@ class OwnCounts:
     top-k index (``router_output[2]``: the transformers router contract), per optimizer step.
 
     Call :meth:`end_step` after each optimizer step with its number; :meth:`between` sums the steps of an
-    interval."""
+    interval. A training forward is one in training mode, with gradients on and outside a backward pass; with
+    ``reentrant`` (the model's checkpointed layers run their forward with gradients off, inside torch's reentrant
+    checkpoint) gradients may be off, and the test keeps its no-gradient passes out with :meth:`skipping`."""
 
-    def __init__(self, layers: list[RoutedLayer]):
+    def __init__(self, layers: list[RoutedLayer], reentrant: bool = False):
+        self.reentrant = reentrant
+        self.skipped = False
         self.layers = {layer.index: layer.num_experts for layer in layers}
         self.current: dict[int, list[int]] = {i: [0] * n for i, n in self.layers.items()}
         self.tokens: dict[int, int] = dict.fromkeys(self.layers, 0)
@@ -51,13 +57,23 @@ class OwnCounts:
 
     def _hook(self, index: int):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not module.training or torch._C._current_graph_task_id() != -1:  # a training forward, not a recompute
+            if (not module.training or torch._C._current_graph_task_id() != -1  # a training forward, not a recompute
+                    or self.skipped or not (torch.is_grad_enabled() or self.reentrant)):
                 return
             for row in output[2].reshape(-1, output[2].shape[-1]).tolist():
                 for expert in row:
                     self.current[index][expert] += 1
                 self.tokens[index] += 1
         return hook
+
+    @contextlib.contextmanager
+    def skipping(self) -> Iterator[None]:
+        """The test's forwards inside the block are not training forwards."""
+        self.skipped = True
+        try:
+            yield
+        finally:
+            self.skipped = False
 
     def end_step(self, step: int) -> None:
         self.steps[int(step)] = (self.current, self.tokens)

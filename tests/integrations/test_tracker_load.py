@@ -300,10 +300,9 @@ def test_an_interval_is_in_load_jsonl_before_any_tracker_hears_of_it(tmp_path):
 
     gate.delivery.load = load
     module.model.train()
-    with torch.no_grad():
-        for step in (1, 2, 3, 4):
-            module.model(torch.randint(0, VOCAB_SIZE, (4, 32)))
-            gate.step(step)
+    for step in (1, 2, 3, 4):
+        module.model(torch.randint(0, VOCAB_SIZE, (4, 32)))  # a training forward (gradients on; no update needed)
+        gate.step(step)
     gate.delivery.wait(timeout_s=10.0)
     assert queued == [(2, [2]), (4, [2, 4])]
     assert [step for step, _ in sink.seen] == [2, 4] and all(step in disk for step, disk in sink.seen)

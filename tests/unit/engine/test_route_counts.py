@@ -1,7 +1,7 @@
 """The counting hooks (engine/route_counts.py) on a real tiny transformers Qwen3-MoE: every training forward's
 routes equal the test's own loop over the router's top-k index (:class:`~atlas_tracking.testing.collapse.OwnCounts`);
-evaluation forwards, forwards inside ``paused()`` and activation checkpointing's recomputation (reentrant and not)
-are not counted; a counting error never reaches the forward and is reported; the counts stay tensors on the
+evaluation forwards, forwards inside ``paused()``, training-mode passes without gradients (a trainer's log-probability
+passes) and activation checkpointing's recomputation (reentrant and not) are not counted; a counting error never reaches the forward and is reported; the counts stay tensors on the
 router's device with no host read in the hook."""
 
 from __future__ import annotations
@@ -77,27 +77,53 @@ def test_training_forwards_are_counted_and_nothing_else():
     own.remove()
 
 
+def _no_gradient_passes(model, own: OwnCounts, seed: int) -> None:
+    """What a reinforcement-learning trainer runs between its updates, in training mode: old-policy and reference
+    log-probabilities under ``torch.no_grad()`` and a pass under ``torch.inference_mode()``; none trains."""
+    with own.skipping():
+        with torch.no_grad():
+            model(_batch(seed))
+        with torch.inference_mode():
+            model(_batch(seed + 1))
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_counts_each_forward_once(reentrant):
     model = _model(1)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     layers = find_routed_layers(model)
-    counter, own = RouteCounter(layers).attach(), OwnCounts(layers)
+    counter, own = RouteCounter(layers).attach(), OwnCounts(layers, reentrant=reentrant)
     every_call = {layer.index: 0 for layer in layers}  # the routers' calls, recomputation included
     raw = [layer.router.register_forward_hook(lambda m, a, o, i=layer.index: every_call.update({i: every_call[i] + 1}))
            for layer in layers]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model.train()
     for step in (1, 2):
+        _no_gradient_passes(model, own, 50 + step)  # with gradients off, inside the checkpoint or not
         for micro in range(2):
             model(_batch(10 * step + micro), labels=_batch(10 * step + micro)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         own.end_step(step)
-    assert set(every_call.values()) == {8}  # 4 forwards, each run again in its backward: the recomputation happened
+    # 4 forwards, each run again in its backward (the recomputation happened), and the 4 passes without gradients
+    assert set(every_call.values()) == {12}
     _check(counter.collect(), own, 1, 2, calls=4)
     for handle in raw:
         handle.remove()
+    own.remove()
+
+
+def test_passes_without_gradients_in_training_mode_are_not_counted():
+    model = _model(3)
+    layers = find_routed_layers(model)
+    counter, own = RouteCounter(layers).attach(), OwnCounts(layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    for step in (1, 2):
+        _no_gradient_passes(model, own, 30 + step)
+        _train_step(model, optimizer, _batch(step))
+        own.end_step(step)
+    _check(counter.collect(), own, 1, 2, calls=2)
     own.remove()
 
 
