@@ -1,6 +1,7 @@
 """Training-batch routing between gates in real fits: Lightning (gradient accumulation, activation checkpointing,
 a resume), the transformers Trainer and a plain loop. Every ``load.jsonl`` interval is held to the test's own counts
-(:class:`~atlas_tracking.testing.collapse.OwnCounts`: its own hooks, plain loops over the router's top-k index); a
+(:class:`~atlas_tracking.testing.collapse.OwnCounts`: its own hooks, plain loops over the router's top-k index), and
+under TRL's GRPOTrainer only the updates' forwards are counted, not its no-gradient log-probability passes; a
 collapse planted mid-run (one DeepSeek-V3 layer's selection bias set so that it routes to two experts) raises the
 alarm within ``telemetry.consecutive`` intervals and an early gate runs before the next scheduled validation."""
 
@@ -244,3 +245,58 @@ def test_telemetry_off_adds_no_hook_and_no_file(tmp_path):
     hooks = [hook for layer in find_routed_layers(module.model) for hook in layer.router._forward_hooks.values()]
     assert not any("RouteCounter" in getattr(hook, "__qualname__", "") for hook in hooks)
     assert [g["trigger"] for g in _gates(tmp_path)] == ["start", "validation"]
+
+
+def test_grpo_counts_the_update_forwards_only(tmp_path, script):
+    """TRL's GRPOTrainer with two updates per generation computes the old policy's log-probabilities in a
+    training-mode pass under ``torch.no_grad()``, and generates: the intervals hold the forwards inside the trainer's
+    ``compute_loss`` (the test's own counts, switched on there only) and nothing else."""
+    from atlas_tracking.integrations.transformers import AtlasTrainerCallback
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from atlas_tracking.testing.trainer import tiny_model
+
+    tokenizer = script("examples/trl_sft.py").byte_chat_tokenizer()
+    tokenizer.padding_side = "left"
+    model = tiny_model(aux_coef=0.0)
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    layers = find_routed_layers(model)
+    own = OwnCounts(layers)
+    own.skipped = True  # counted inside compute_loss only
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            own.end_step(state.global_step)
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+                      max_steps=4, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                      num_iterations=2, beta=0.0, logging_steps=1, save_strategy="no", seed=0,
+                      dataloader_num_workers=0, disable_tqdm=True)
+    callback = AtlasTrainerCallback(canary=tiny_canary(), config={**POST_TRAINING, "telemetry": {"every_n_steps": 2}})
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completion_ids, **_: [0.1 * len(c) for c in completion_ids]],
+                          args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": [f"note {i}:" for i in range(32)]}),
+                          callbacks=[Steps(), callback])
+    compute_loss, logps = trainer.compute_loss, trainer._get_per_token_logps_and_entropies
+    passes = []  # (training mode, gradients on) of each log-probability pass
+
+    def counted_compute_loss(*a, **kw):
+        own.skipped = False
+        try:
+            return compute_loss(*a, **kw)
+        finally:
+            own.skipped = True
+
+    def seen_logps(model, *a, **kw):
+        passes.append((model.training, torch.is_grad_enabled()))
+        return logps(model, *a, **kw)
+
+    trainer.compute_loss, trainer._get_per_token_logps_and_entropies = counted_compute_loss, seen_logps
+    trainer.train()
+    assert passes.count((True, False)) == 2 and passes.count((True, True)) == 4  # old policy's, per generation
+    lines = read_load(tmp_path / "atlas")
+    assert [(x["first_step"], x["step"]) for x in lines] == [(1, 2), (3, 4)]
+    check_intervals(lines, own, calls_per_step=1)
