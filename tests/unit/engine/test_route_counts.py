@@ -1,8 +1,9 @@
 """The counting hooks (engine/route_counts.py) on a real tiny transformers Qwen3-MoE: every training forward's
 routes equal the test's own loop over the router's top-k index (:class:`~atlas_tracking.testing.collapse.OwnCounts`);
-evaluation forwards, forwards inside ``paused()``, training-mode passes without gradients (a trainer's log-probability
-passes) and activation checkpointing's recomputation (reentrant and not) are not counted; a counting error never reaches the forward and is reported; the counts stay tensors on the
-router's device with no host read in the hook."""
+evaluation forwards, forwards inside ``paused()``, training-mode passes without gradients (a trainer's
+log-probability passes) and activation checkpointing's recomputation (reentrant and not) are not counted; a counting
+error never reaches the forward and is reported; the counts stay tensors on the router's device with no host read in
+the hook."""
 
 from __future__ import annotations
 
