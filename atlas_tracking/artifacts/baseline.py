@@ -219,25 +219,27 @@ class Baseline:
     def positions(self) -> np.ndarray:
         return np.asarray(self.manifest["anchors"]["positions"], dtype=np.int64)
 
-    def check_compatible(self, model_layers: list[dict[str, Any]], model_class: str, canary_fingerprint: str) -> None:
+    def check_compatible(self, model_layers: list[dict[str, Any]], model_class: str, canary_fingerprint: str,
+                         what: str = "baseline") -> None:
         """Raise :class:`BaselineError` naming the first mismatch with this model and canary.
 
         What must match is the routed layers (family, experts, top-k, width, and the layer path up
         to a wrapper's prefix), not the class that wraps them: a baseline saved while training a
         ``LightningModule`` (layers ``model.model.layers.N.mlp``) serves the exported transformers
-        checkpoint (``model.layers.N.mlp``). ``model_class`` only names the model in messages.
+        checkpoint (``model.layers.N.mlp``). ``model_class`` only names the model in messages, ``what`` the
+        artifact (a handoff reference checks its layers here too).
         """
         base_fp = self.manifest["canary"]["fingerprint"]
         if base_fp != canary_fingerprint:
             raise BaselineError(
-                f"canary fingerprint mismatch: baseline was measured on {base_fp[:12]}, this canary is "
+                f"canary fingerprint mismatch: {what} was measured on {base_fp[:12]}, this canary is "
                 f"{canary_fingerprint[:12]}; receipts are only compared on the same canary"
             )
         mine = [layer_key(layer) for layer in model_layers]
         theirs = self.manifest["model"]["layers"]
         if len(mine) != len(theirs):
             raise BaselineError(
-                f"architecture mismatch: baseline ({self.manifest['model']['class']}) has {len(theirs)} routed "
+                f"architecture mismatch: {what} ({self.manifest['model']['class']}) has {len(theirs)} routed "
                 f"layers, model ({model_class}) has {len(mine)}")
         for a, b in zip(mine, theirs):
             diff = [f"{k} {b.get(k)} vs {a[k]}" for k in a if k != "name" and a[k] != b.get(k)]
@@ -245,7 +247,7 @@ class Baseline:
                 diff.insert(0, f"path {b['name']} vs {a['name']}")
             if diff:
                 raise BaselineError(f"architecture mismatch at routed layer {a['name']}: {', '.join(diff)} "
-                                    "(baseline vs model)")
+                                    f"({what} vs model)")
 
     @property
     def kl_absent(self) -> str | None:

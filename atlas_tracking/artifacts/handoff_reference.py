@@ -111,7 +111,7 @@ class HandoffReference:
         """Raise :class:`HandoffReferenceError` naming the first difference in routed layers or canary."""
         stub = Baseline({"canary": {"fingerprint": self.canary_fingerprint}, "model": self.model}, {})
         try:
-            stub.check_compatible(model_layers, model_class, canary_fingerprint)
+            stub.check_compatible(model_layers, model_class, canary_fingerprint, what="reference")
         except BaselineError as exc:
             raise HandoffReferenceError(f"handoff reference {self.source}: {exc}") from None
         top1 = [layer.get("top_k") == 1 for layer in self.model.get("layers", [])]

@@ -16,11 +16,11 @@ from atlas_tracking.gate import AtlasGate
 PRE = {"receipts": {"progress": False}, "policy": {"phase": "pretraining"}}
 
 
-def _model(seed: int = 0, layers: int = 4) -> Qwen3MoeForCausalLM:
+def _model(seed: int = 0, layers: int = 4, experts: int = 8) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2))
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2))
 
 
 def _canary(seed: int = 0) -> Canary:
@@ -71,12 +71,16 @@ def test_without_a_reference_readiness_is_stability_only(tmp_path):
 
 
 def test_a_reference_on_another_canary_or_layout_is_refused_when_the_gate_is_built(healthy, tmp_path):
-    with pytest.raises(HandoffReferenceError, match="canary fingerprint mismatch"):
+    # the messages name the reference, not a baseline
+    with pytest.raises(HandoffReferenceError, match="canary fingerprint mismatch: reference was measured on"):
         AtlasGate(_model(), _canary(seed=3), {**PRE, "lifecycle": {"handoff_reference": str(healthy)}},
                   out_dir=tmp_path / "a")
-    with pytest.raises(HandoffReferenceError, match=r"4 routed layers, model .* has 2"):
+    with pytest.raises(HandoffReferenceError, match=r"reference \(.*\) has 4 routed layers, model .* has 2"):
         AtlasGate(_model(layers=2), _canary(), {**PRE, "lifecycle": {"handoff_reference": str(healthy)}},
                   out_dir=tmp_path / "b")
+    with pytest.raises(HandoffReferenceError, match=r"num_experts 8 vs 16.*\(reference vs model\)"):
+        AtlasGate(_model(experts=16), _canary(), {**PRE, "lifecycle": {"handoff_reference": str(healthy)}},
+                  out_dir=tmp_path / "d")
     with pytest.raises(HandoffReferenceError, match="not valid JSON"):
         bad = tmp_path / "bad.json"
         bad.write_text('{"kind": "atlas-rec')
