@@ -261,10 +261,9 @@ def realistic_counts(layers: int, experts: int, top_k: int, tokens: int, seed: i
 def fill(gate: AtlasGate, counts: np.ndarray | None, tokens: int, calls: int, model: torch.nn.Module,
          ids: torch.Tensor) -> None:
     """Counts for the next close: ``counts`` put in the counters' place (a realistic interval), or, when None, one
-    training forward of ``ids``."""
+    training forward of ``ids`` (gradients on, as training runs it: a pass without gradients is not counted)."""
     if counts is None:
-        with torch.no_grad():
-            model(input_ids=ids)
+        model(input_ids=ids)
         return
     for entry, row in zip(gate.telemetry.counter._local, counts):
         entry.chosen = torch.from_numpy(row.copy())

@@ -44,7 +44,7 @@ def top1_run(tmp_path_factory):
         with torch.no_grad():
             weight = model.model.layers[0].mlp.gate.weight
             weight.add_(torch.randn_like(weight) * weight.std())
-            model.train()(torch.randint(0, 256, (4, 32)))  # a training forward: an interval between gates
+        model.train()(torch.randint(0, 256, (4, 32)))  # a training forward (gradients on): an interval between gates
         gate.run(10, loss=3.5)
         gate.finish()
         run_dir = Path(run.dir).parent

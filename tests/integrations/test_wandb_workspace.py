@@ -45,7 +45,7 @@ def logged_run(tmp_path_factory):
         with torch.no_grad():
             weight = module.model.model.layers[0].mlp.gate.weight  # move the router so drift keys are non-zero
             weight.add_(weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
-            module.model.train()(torch.randint(0, 256, (4, 32)))  # a training forward: an interval between gates
+        module.model.train()(torch.randint(0, 256, (4, 32)))  # a training forward (gradients on): an interval between gates
         gate.run(10, loss=3.5)
         ids = torch.randint(0, 256, (2, 16))
         gate.rollout(10, ids, trainer_routes(module.model, ids), rollout_logprobs=torch.full((2, 16), -5.0))
