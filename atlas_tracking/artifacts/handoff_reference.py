@@ -24,7 +24,7 @@ Example:
     >>> ref.check_compatible(layers, "Qwen3MoeForCausalLM", "cd" * 32)
     Traceback (most recent call last):
     ...
-    atlas_tracking.artifacts.handoff_reference.HandoffReferenceError: handoff reference ...: canary fingerprint mismatch: baseline was measured on abababababab, this canary is cdcdcdcdcdcd; receipts are only compared on the same canary
+    atlas_tracking.artifacts.handoff_reference.HandoffReferenceError: handoff reference ...: canary fingerprint mismatch: reference was measured on abababababab, this canary is cdcdcdcdcdcd; receipts are only compared on the same canary
 """
 
 from __future__ import annotations
