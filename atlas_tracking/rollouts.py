@@ -16,13 +16,15 @@ Example (a plain loop; the rollout engine is the model itself, so the two agree)
     >>> from atlas_tracking.engine.rollout import trainer_routes
     >>> from atlas_tracking.schema.config import AtlasConfig
     >>> from atlas_tracking.sinks.delivery import Delivery, Writer
+    >>> from atlas_tracking.sinks.held import Held
+    >>> from atlas_tracking.sinks.jsonl import JsonlSink
     >>> _ = torch.manual_seed(0)
     >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
     ...     moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     ...     head_dim=8, num_experts=8, num_experts_per_tok=2)).eval()
     >>> rollouts = Rollouts(find_routed_layers(model), AtlasConfig())
     >>> out = tempfile.mkdtemp()
-    >>> writer = Writer(Path(out), "run", "main", Delivery(None, []))
+    >>> writer = Writer(Path(out), "run", "main", Delivery(None, []), Held(JsonlSink(Path(out) / "gates.jsonl")))
     >>> ids = torch.randint(0, 64, (2, 16))
     >>> line = rollouts.record(model, 7, writer, ids, trainer_routes(model, ids))
     >>> line["step"], [row["mismatched"] for row in line["layers"]], line["alerts"]
@@ -41,10 +43,10 @@ import torch
 from torch import nn
 
 from atlas_tracking.adapters.base import RoutedLayer
-from atlas_tracking.artifacts.rollout_record import append_rollout
 from atlas_tracking.artifacts.rollout_summary import rollout_metrics
 from atlas_tracking.decisions.rollout_alarm import RolloutAlarm
 from atlas_tracking.engine.rollout import Forward, read_agreement, summarize
+from atlas_tracking.schema.artifacts import ROLLOUT
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.rollout import ROLLOUT_SCHEMA_VERSION
 from atlas_tracking.sinks.delivery import Writer
@@ -113,13 +115,13 @@ class Rollouts:
 
     @staticmethod
     def _write(line: dict[str, Any], writer: Writer, log_step: int) -> None:
-        """``rollout.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a write that
-        fails is an error in the log and never stops training."""
-        try:
-            append_rollout(writer.run_dir, line)
-        except OSError as exc:
-            log.error("atlas: the rollout agreement of step %s could not be written to %s (%s); it is not in the "
-                      "record", line["step"], writer.run_dir, exc)
+        """``rollout.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a line the disk
+        refuses waits in memory and is written in turn when it has room (:meth:`Writer.append`), and never stops
+        training."""
+        error = writer.append(ROLLOUT, line)
+        if error is not None:
+            log.error("atlas: the rollout agreement of step %s could not be written to %s (%s); it waits in memory "
+                      "and is written, in turn, as soon as the disk has room", line["step"], writer.run_dir, error)
         for event in line["alerts"]:
             writer.delivery.alert(event)
         writer.delivery.rollout(line, rollout_metrics(line), log_step)

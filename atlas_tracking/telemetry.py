@@ -40,10 +40,10 @@ import logging
 from typing import Any
 
 from atlas_tracking.adapters.base import RoutedLayer
-from atlas_tracking.artifacts.load_record import append_load
 from atlas_tracking.artifacts.load_summary import load_metrics
 from atlas_tracking.decisions.load_alarm import LoadAlarm, Reading
 from atlas_tracking.engine.route_counts import Interval, RouteCounter
+from atlas_tracking.schema.artifacts import LOAD
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
 from atlas_tracking.sinks.delivery import Writer
@@ -147,13 +147,14 @@ class Telemetry:
         return line
 
     def _write(self, line: dict[str, Any], writer: Writer, log_step: int, picture: bool) -> None:
-        """``load.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a write that fails
-        is an error in the log and never stops training."""
-        try:
-            append_load(writer.run_dir, line)
-        except OSError as exc:
-            log.error("atlas: the training-batch load of steps %s-%s could not be written to %s (%s); it is not in "
-                      "the record", line["first_step"], line["step"], writer.run_dir, exc)
+        """``load.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a line the disk
+        refuses waits in memory and is written in turn when it has room (:meth:`Writer.append`), and never stops
+        training."""
+        error = writer.append(LOAD, line)
+        if error is not None:
+            log.error("atlas: the training-batch load of steps %s-%s could not be written to %s (%s); it waits in "
+                      "memory and is written, in turn, as soon as the disk has room", line["first_step"], line["step"],
+                      writer.run_dir, error)
         for event in line["alerts"]:
             writer.delivery.alert(event)
         writer.delivery.load(line, load_metrics(line, self.cfg.top_experts), log_step, picture)

@@ -18,7 +18,7 @@ prose windows with AdamW.
   a training forward and backward without and with the counting hooks, interleaved; ``AtlasGate.step`` at a step
   that closes nothing.
 - ``close``: one interval close (``AtlasGate.step`` at a step that ends an interval), and its parts (the counter's
-  collect, the tracker summary ``load_metrics``, ``append_load``: one line and an fsync, the delivery's copy), at the
+  collect, the tracker summary ``load_metrics``, ``append_load``: the line appended to ``load.jsonl``, one write and an fsync, the delivery's copy), at the
   demo's shape and at the DeepSeek-V3 layout (58 routed layers x 256 experts, k = 8, on a width-16 model whose
   counters are given a realistic interval's counts).
 - ``fit``: a Lightning fit of the demo's recipe (``MoELM``, ``log_every_n_steps`` 50) with ``AtlasCallback``, no gate
@@ -56,7 +56,6 @@ import torch
 
 from atlas_tracking import AtlasConfig, Canary
 from atlas_tracking.artifacts.history import append_line
-from atlas_tracking.artifacts.load_record import append_load
 from atlas_tracking.artifacts.load_summary import load_metrics
 from atlas_tracking.engine.route_counts import RouteCounter
 from atlas_tracking.gate import AtlasGate
@@ -303,7 +302,7 @@ def close_cost(label: str, model: torch.nn.Module, counts: np.ndarray | None, to
         fill(gate, counts, tokens, calls, model, ids)
         timing("collect", gate.telemetry.counter.collect)
         timing("load_metrics", lambda: load_metrics(line, gate.config.telemetry.top_experts))
-        timing("append_load", lambda: append_load(scratch, line))
+        timing("append_load", lambda: append_line(scratch / LOAD, line))
         timing("copy", lambda: copy.deepcopy((line, {})))
     return {
         "layers": len(line["layers"]), "experts": len(line["layers"][0]["load"]), "repeats": repeats,

@@ -9,6 +9,7 @@ back those of its own history (:func:`rewind_load`), as the gates' rewind does.
 
 Example:
     >>> import tempfile
+    >>> from atlas_tracking.artifacts.history import append_line
     >>> run = Path(tempfile.mkdtemp())
     >>> for step, branch in [(50, "a"), (100, "a"), (150, "a"), (150, "b")]:
     ...     append_line(run / LOAD, {"step": step, "branch": branch, "layers": []})
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import (
-    append_line,
     read_lines,
     read_lines_and_torn,
     torn_note,
@@ -68,11 +68,6 @@ def load_file(path: str | Path) -> Path:
 def read_load(path: str | Path) -> list[dict[str, Any]]:
     """Every complete interval, in file order; a last line cut short by a crash is left out with one warning."""
     return read_series(load_file(path), "interval", "routes")
-
-
-def append_load(run_dir: str | Path, line: dict[str, Any]) -> None:
-    """Append one interval to ``<run_dir>/load.jsonl`` (complete on disk when this returns)."""
-    append_line(Path(run_dir) / LOAD, line)
 
 
 def in_history(line: dict[str, Any], segments: Segments, step: int) -> bool:

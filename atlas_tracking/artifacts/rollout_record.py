@@ -8,9 +8,10 @@ and brings back those of its own history, as the load record does
 
 Example:
     >>> import tempfile
+    >>> from atlas_tracking.artifacts.history import append_line
     >>> run = Path(tempfile.mkdtemp())
     >>> for step, branch in [(1, "a"), (2, "a"), (3, "a"), (3, "b")]:
-    ...     append_rollout(run, {"step": step, "branch": branch, "layers": []})
+    ...     append_line(run / ROLLOUT, {"step": step, "branch": branch, "layers": []})
     >>> rewind_rollout(run, 3, [["a", 0], ["b", 3]])      # resumed at 2 on branch b, now restored at 3
     1
     >>> [(x["step"], x["branch"]) for x in read_rollout(run)]
@@ -22,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from atlas_tracking.artifacts.history import append_line
 from atlas_tracking.artifacts.load_record import Segments, read_series, rewind_series, series_file
 from atlas_tracking.schema.artifacts import ROLLOUT, ROLLOUT_ABANDONED
 
@@ -31,11 +31,6 @@ def read_rollout(path: str | Path) -> list[dict[str, Any]]:
     """Every complete recorded step of a run directory (a Lightning root, or the file), in file order; a last line
     cut short by a crash is left out with a warning."""
     return read_series(series_file(path, ROLLOUT), "rollout step", "figures")
-
-
-def append_rollout(run_dir: str | Path, line: dict[str, Any]) -> None:
-    """Append one recorded step to ``<run_dir>/rollout.jsonl`` (complete on disk when this returns)."""
-    append_line(Path(run_dir) / ROLLOUT, line)
 
 
 def rewind_rollout(run_dir: str | Path, step: int, segments: Segments | None) -> int:

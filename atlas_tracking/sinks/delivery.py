@@ -47,6 +47,7 @@ from typing import Any
 from atlas_tracking.artifacts.history import key
 from atlas_tracking.schema.artifacts import BACKLOG
 from atlas_tracking.sinks.base import tracker_run
+from atlas_tracking.sinks.held import Held
 from atlas_tracking.sinks.jsonl import JsonlSink
 from atlas_tracking.sinks.worker import INTERVAL, ROLLOUT_STEP, SinkWorker, pending_gates
 
@@ -273,9 +274,19 @@ class Delivery:
 @dataclass
 class Writer:
     """Where rank zero writes what it records between gates (a load interval, a rollout step): the run directory,
-    the run's identity and the delivery."""
+    the run's identity, the delivery and the record's writes that wait for the disk."""
 
     run_dir: Path
     run_id: str | None
     branch: str
     delivery: Delivery
+    held: Held
+    """The gate's writes that wait for the disk (:mod:`atlas_tracking.sinks.held`): a line goes in turn behind them."""
+
+    def append(self, name: str, line: dict[str, Any]) -> OSError | None:
+        """Append ``line`` to the run directory's ``name`` (complete on disk, in turn behind any line still waiting).
+        A line the disk refuses waits in memory, whole, and is written at the gate's next try (an optimizer step,
+        a gate, the end of training); returns that refusal (None: on disk)."""
+        self.held.line(name, line)
+        self.held.flush_lines()
+        return self.held.error if any(waiting is line for _, waiting in self.held.lines) else None

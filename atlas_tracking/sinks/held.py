@@ -66,14 +66,15 @@ class Held:
         """The error of the last write tried (None: the last flush wrote everything)."""
 
     def waiting(self) -> int:
-        """Records (gates, failure and alert lines) still held in memory."""
+        """Records (gates, and lines of the record files) still held in memory."""
         return len(self.gates) + len(self.lines)
 
     def hold(self, gate: HeldGate) -> None:
         self.gates.append(gate)
 
     def line(self, name: str, obj: dict[str, Any]) -> None:
-        """A line of ``errors.jsonl`` or ``alerts.jsonl`` (the file's name in the run directory) to write, in turn."""
+        """A line of a record file (its name in the run directory: ``errors.jsonl``, ``alerts.jsonl``, ``load.jsonl``,
+        ``rollout.jsonl``) to write, in turn."""
         self.lines.append((name, obj))
 
     def ahead(self) -> Any:

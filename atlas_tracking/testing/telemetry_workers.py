@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from atlas_tracking.schema.artifacts import LOAD
 from atlas_tracking.sinks.metrics_logger import LogMetricsSink
 from atlas_tracking.testing.tiny import random_canary
 
@@ -141,20 +143,21 @@ class Recorder:
 @contextlib.contextmanager
 def writes_of_load(rank: int) -> Iterator[list[list[int]]]:
     """``[rank, first_step, step]`` of every ``load.jsonl`` append this process makes (the real append, watched)."""
-    import atlas_tracking.telemetry as telemetry
+    import atlas_tracking.sinks.held as held
 
     calls: list[list[int]] = []
-    append = telemetry.append_load
+    append = held.append_line
 
-    def watched(run_dir: Any, line: dict[str, Any]) -> None:
-        calls.append([rank, int(line["first_step"]), int(line["step"])])
-        append(run_dir, line)
+    def watched(path: Any, line: dict[str, Any]) -> None:
+        if Path(path).name == LOAD:
+            calls.append([rank, int(line["first_step"]), int(line["step"])])
+        append(path, line)
 
-    telemetry.append_load = watched
+    held.append_line = watched
     try:
         yield calls
     finally:
-        telemetry.append_load = append
+        held.append_line = append
 
 
 def _ids(rank: int, step: int, micro: int, batch: int, seq: int = 16) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from atlas_tracking import Canary
 from atlas_tracking.artifacts.history import read_history, read_lines
+from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.decisions.replay import replay
 from atlas_tracking.gate import AtlasGate
 from atlas_tracking.schema.config import AtlasConfig
@@ -248,3 +249,25 @@ def test_the_commands_flag_a_record_whose_reference_is_missing(unsaved_reference
     said = capsys.readouterr().out
     assert "reference missing: the gate at step 10 names step_00000000." in said, said
     assert code == (1 if command == "verify" else 0)
+
+
+def test_load_intervals_the_disk_refuses_wait_in_memory_and_are_written_in_order(tmp_path, caplog):
+    out = tmp_path / "atlas"
+    disk = Disk(out)
+    gate = _gate(out, config={**CONFIG, "telemetry": {"enabled": True, "early_gate": False, "every_n_steps": 2}})
+    ids = torch.Generator().manual_seed(0)
+    with disk.mounted():
+        gate.run(0, loss=4.0)
+        for step in range(1, 9):
+            if step == 3:
+                disk.fill()                                        # the intervals of steps 3-4 and 5-6 are refused
+            if step == 7:
+                disk.room()
+            gate.model.train()(torch.randint(0, 64, (2, 16), generator=ids))   # a training forward
+            with caplog.at_level(logging.ERROR, logger="atlas_tracking"):
+                gate.step(step)
+            if step == 6:
+                assert [x["step"] for x in read_load(out)] == [2] and gate.held.waiting() >= 2
+    assert [(x["first_step"], x["step"]) for x in read_load(out)] == [(1, 2), (3, 4), (5, 6), (7, 8)]
+    assert all(sum(row["load"]) == 2 * (2 * 16) * 2 for x in read_load(out) for row in x["layers"])  # 2 forwards, top-2
+    assert sum("waits in memory" in m for m in caplog.messages) == 2

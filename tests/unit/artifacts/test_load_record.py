@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atlas_tracking.artifacts.history import append_line, read_lines
-from atlas_tracking.artifacts.load_record import append_load, load_file, read_load, rewind_load
+from atlas_tracking.artifacts.load_record import load_file, read_load, rewind_load
 from atlas_tracking.artifacts.run_dir import RunDir
 from atlas_tracking.schema.artifacts import LOAD, LOAD_ABANDONED
 
@@ -27,20 +27,20 @@ def _interval(step, branch, **extra):
 def test_append_and_read_back(tmp_path):
     lines = [_interval(s, "a") for s in (10, 20, 30)]
     for line in lines:
-        append_load(tmp_path, line)
+        append_line(tmp_path / LOAD, line)
     assert read_load(tmp_path) == lines
     assert [json.loads(x) for x in (tmp_path / LOAD).read_text().splitlines()] == lines
     # a Lightning root holds the record under atlas/
     assert read_load(tmp_path.parent) == [] and load_file(tmp_path / "x") == tmp_path / "x"
     nested = tmp_path / "root"
-    append_load(nested / "atlas", lines[0])
+    append_line(nested / "atlas" / LOAD, lines[0])
     assert read_load(nested) == [lines[0]] and load_file(nested) == nested / "atlas" / LOAD
 
 
 def test_a_torn_last_line_is_skipped_with_a_warning_and_cut_at_the_next_append(tmp_path, caplog):
     lines = [_interval(s, "a") for s in (10, 20)]
     for line in lines:
-        append_load(tmp_path, line)
+        append_line(tmp_path / LOAD, line)
     whole = json.dumps(_interval(30, "a"), separators=(",", ":"))
     with (tmp_path / LOAD).open("a") as fh:  # a crash in the middle of the third append
         fh.write(whole[: len(whole) // 2])
@@ -50,7 +50,7 @@ def test_a_torn_last_line_is_skipped_with_a_warning_and_cut_at_the_next_append(t
     assert len(torn) == 1 and "interval" in torn[0].getMessage() and "30" in torn[0].getMessage()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="atlas_tracking"):
-        append_load(tmp_path, _interval(40, "a"))  # cuts the torn line off first, and says so
+        append_line(tmp_path / LOAD, _interval(40, "a"))  # cuts the torn line off first, and says so
         assert [r.getMessage().count("removed") for r in caplog.records] == [1]
         caplog.clear()
         assert read_load(tmp_path) == [*lines, _interval(40, "a")]
@@ -94,7 +94,7 @@ class Run:
                 self.step += 1
                 if i == length - 1:  # the interval closes, then the checkpoint of that step is saved
                     line = _interval(self.step, self.branch)
-                    append_load(self.path, line)
+                    append_line(self.path / LOAD, line)
                     self.written.append(line)
                 self.checkpoints.append((self.step, [list(s) for s in self.segments]))
 
@@ -167,7 +167,7 @@ def test_run_dir_rewind_rebuilds_the_alerts_with_the_intervals_alerts(tmp_path):
 
     def interval(step, branch, alerting):
         alerts = [_alert(step, "telemetry:alarm", branch)] if alerting else []
-        append_load(tmp_path, _interval(step, branch, alerts=alerts))
+        append_line(tmp_path / LOAD, _interval(step, branch, alerts=alerts))
         for alert in alerts:
             append_line(run.alerts, alert)
 

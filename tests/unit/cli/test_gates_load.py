@@ -12,8 +12,9 @@ import math
 import pytest
 
 from atlas_tracking.artifacts.history import append_line, read_history
-from atlas_tracking.artifacts.load_record import append_load, read_load
+from atlas_tracking.artifacts.load_record import read_load
 from atlas_tracking.cli import main
+from atlas_tracking.schema.artifacts import LOAD
 from atlas_tracking.testing.planted_loop import PLANT_AT, RESTORE_AT, planted_loop
 
 
@@ -101,7 +102,7 @@ def test_dropped_routes_and_overload_factor_from_hand_written_intervals(tmp_path
                                            "trigger": "start"})
     layers = [{"layer": 3, "name": "l3", "load": [30, 10, 0, 0], "dropped": 4, "ep_tokens": [36, 4]},
               {"layer": 5, "name": "l5", "load": [10, 10, 10, 10], "dropped": None, "ep_tokens": [22, 18]}]
-    append_load(tmp_path, {"step": 4, "first_step": 1, "tokens": 20, "layers": layers, "branch": "a",
+    append_line(tmp_path / LOAD, {"step": 4, "first_step": 1, "tokens": 20, "layers": layers, "branch": "a",
                            "uncounted": [1, 2]})
     assert main(["gates", str(tmp_path)]) == 0
     text = capsys.readouterr().out
