@@ -385,7 +385,9 @@ class AtlasGate(CommitOnWrite):
         return True
 
     def _writer(self) -> Writer | None:
-        return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery, self.held) if _is_rank_zero() else None
+        if not _is_rank_zero():
+            return None
+        return Writer(self.run_dir.path, self.run_id, self.branch, self.delivery, self.held)
 
     @bounded_gate
     def rollout(self, step: int, input_ids: Any, routed_experts: Any, attention_mask: Any = None,

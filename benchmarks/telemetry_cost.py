@@ -18,9 +18,9 @@ prose windows with AdamW.
   a training forward and backward without and with the counting hooks, interleaved; ``AtlasGate.step`` at a step
   that closes nothing.
 - ``close``: one interval close (``AtlasGate.step`` at a step that ends an interval), and its parts (the counter's
-  collect, the tracker summary ``load_metrics``, ``append_load``: the line appended to ``load.jsonl``, one write and an fsync, the delivery's copy), at the
-  demo's shape and at the DeepSeek-V3 layout (58 routed layers x 256 experts, k = 8, on a width-16 model whose
-  counters are given a realistic interval's counts).
+  collect, the tracker summary ``load_metrics``, ``append_load``: the line appended to ``load.jsonl``, one write
+  and an fsync, the delivery's copy), at the demo's shape and at the DeepSeek-V3 layout (58 routed layers x 256
+  experts, k = 8, on a width-16 model whose counters are given a realistic interval's counts).
 - ``fit``: a Lightning fit of the demo's recipe (``MoELM``, ``log_every_n_steps`` 50) with ``AtlasCallback``, no gate
   at all (``gate.baseline_at_start`` false, no validation), ``telemetry.enabled`` true against false, fits
   alternated; timed from the end of ``on_train_start`` to ``on_train_end`` (the training loop only).

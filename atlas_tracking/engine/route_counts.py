@@ -63,8 +63,9 @@ def in_backward() -> bool:
 def in_recorded_function_forward() -> bool:
     """True inside the ``forward`` of an autograd function that autograd records on this thread (one applied with
     gradients on, to an input that requires them): where torch's reentrant checkpoint (``use_reentrant=True``),
-    DeepSpeed's and Megatron's recomputation run a training forward with gradients off. The same function applied under ``torch.no_grad()`` is not recorded. It looks for a
-    caller whose first argument is an autograd function's context with a place in the graph:
+    DeepSpeed's and Megatron's recomputation run a training forward with gradients off. The same function applied
+    under ``torch.no_grad()`` is not recorded. It looks for a caller whose first argument is an autograd function's
+    context with a place in the graph:
 
     >>> class Twice(torch.autograd.Function):
     ...     @staticmethod

@@ -276,8 +276,10 @@ def test_grpo_counts_the_update_forwards_only(tmp_path, script):
                       num_iterations=2, beta=0.0, logging_steps=1, save_strategy="no", seed=0,
                       dataloader_num_workers=0, disable_tqdm=True)
     callback = AtlasTrainerCallback(canary=tiny_canary(), config={**POST_TRAINING, "telemetry": {"every_n_steps": 2}})
-    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completion_ids, **_: [0.1 * len(c) for c in completion_ids]],
-                          args=args, processing_class=tokenizer,
+    def reward(completion_ids, **_):
+        return [0.1 * len(c) for c in completion_ids]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": [f"note {i}:" for i in range(32)]}),
                           callbacks=[Steps(), callback])
     compute_loss, logps = trainer.compute_loss, trainer._get_per_token_logps_and_entropies
