@@ -118,10 +118,7 @@ class Rollouts:
         """``rollout.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a line the disk
         refuses waits in memory and is written in turn when it has room (:meth:`Writer.append`), and never stops
         training."""
-        error = writer.append(ROLLOUT, line)
-        if error is not None:
-            log.error("atlas: the rollout agreement of step %s could not be written to %s (%s); it waits in memory "
-                      "and is written, in turn, as soon as the disk has room", line["step"], writer.run_dir, error)
+        writer.append(ROLLOUT, line, f"the rollout agreement of step {line['step']}")
         for event in line["alerts"]:
             writer.delivery.alert(event)
         writer.delivery.rollout(line, rollout_metrics(line), log_step)

@@ -36,7 +36,6 @@ Example (a plain loop; ``AtlasGate.step`` calls this after every optimizer step)
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from atlas_tracking.adapters.base import RoutedLayer
@@ -47,8 +46,6 @@ from atlas_tracking.schema.artifacts import LOAD
 from atlas_tracking.schema.config import AtlasConfig
 from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
 from atlas_tracking.sinks.delivery import Writer
-
-log = logging.getLogger("atlas_tracking")
 
 PLAIN_LOOP_EVERY = 50
 """Optimizer steps per interval where neither ``telemetry.every_n_steps`` nor a framework's logging cadence says."""
@@ -150,11 +147,7 @@ class Telemetry:
         """``load.jsonl`` first, then the alerts (``alerts.jsonl``, every sink) and the trackers; a line the disk
         refuses waits in memory and is written in turn when it has room (:meth:`Writer.append`), and never stops
         training."""
-        error = writer.append(LOAD, line)
-        if error is not None:
-            log.error("atlas: the training-batch load of steps %s-%s could not be written to %s (%s); it waits in "
-                      "memory and is written, in turn, as soon as the disk has room", line["first_step"], line["step"],
-                      writer.run_dir, error)
+        writer.append(LOAD, line, f"the training-batch load of steps {line['first_step']}-{line['step']}")
         for event in line["alerts"]:
             writer.delivery.alert(event)
         writer.delivery.load(line, load_metrics(line, self.cfg.top_experts), log_step, picture)

@@ -283,10 +283,12 @@ class Writer:
     held: Held
     """The gate's writes that wait for the disk (:mod:`atlas_tracking.sinks.held`): a line goes in turn behind them."""
 
-    def append(self, name: str, line: dict[str, Any]) -> OSError | None:
-        """Append ``line`` to the run directory's ``name`` (complete on disk, in turn behind any line still waiting).
-        A line the disk refuses waits in memory, whole, and is written at the gate's next try (an optimizer step,
-        a gate, the end of training); returns that refusal (None: on disk)."""
+    def append(self, name: str, line: dict[str, Any], what: str) -> None:
+        """Append ``line`` (``what`` it records, for the log) to the run directory's ``name``, complete on disk, in
+        turn behind any line still waiting. A line the disk refuses waits in memory, whole, is written at the gate's
+        next try (an optimizer step, a gate, the end of training), and the log says so; it never raises."""
         self.held.line(name, line)
         self.held.flush_lines()
-        return self.held.error if any(waiting is line for _, waiting in self.held.lines) else None
+        if any(waiting is line for _, waiting in self.held.lines):
+            log.error("atlas: %s could not be written to %s (%s); it waits in memory and is written, in turn, as soon "
+                      "as the disk has room", what, self.run_dir, self.held.error)
