@@ -518,7 +518,8 @@ class AtlasGate(CommitOnWrite):
         """Continue a run from a training state saved by :meth:`state_dict`, restored at ``step``.
 
         Collective (call it on every rank). Restores the policy and alert state, claims the run
-        directory (the same run), makes the record the history of the restored state (gates of
+        directory (the same run), writes what still waits for the disk (a resume in the same process: the record of
+        the segment it came from, never committed), makes the record the history of the restored state (gates of
         an abandoned branch move to ``gates.abandoned.jsonl``, their receipts follow), replays the
         gates that ran after the state was saved up to ``step`` (a checkpoint written before its
         own gate), marks the next gate as a resume baseline, and lets every tracker run catch up
@@ -526,6 +527,7 @@ class AtlasGate(CommitOnWrite):
         """
         self.load_state_dict(state)
         self.claim()
+        self._file_held(int(step))
         payload: Any = None
         if _is_rank_zero():
             repaired, moved, rewound = {}, 0, False

@@ -62,6 +62,17 @@ class CommitOnWrite:
                 self._prune(held.after["plan"])
         return error
 
+    def _file_held(self, step: int) -> None:
+        """A resume in the same process: what waits for the disk is written as the record of the segment it came from,
+        uncommitted (the restored state replaces this process's), so that the rewind files it like any record of that
+        segment; what the disk still refuses is dropped, never written into the restored history later."""
+        if is_rank_zero() and self.held.waiting():
+            self.held.flush()
+        dropped = self.held.drop()  # every rank: its copies of the held gates go too
+        if dropped and is_rank_zero():
+            log.error("atlas: %d record(s) of the segment before the resume at step %s had no room on the disk (%s): "
+                      "they are lost, not written into the restored history", dropped, step, self.held.error)
+
     def _take_baseline(self, step: int, report: Any) -> str | None:
         """This gate's measurement becomes the baseline once it is on disk. A baseline that cannot be written is not
         a baseline: the last one on disk stays the reference (or none: the next gate takes a new one); returns what

@@ -81,6 +81,13 @@ class Held:
         """The state the last held gate leads to (None when no gate is held)."""
         return self.gates[-1].after if self.gates else None
 
+    def drop(self) -> int:
+        """Forget everything held (a resume: what still waits belongs to the process's abandoned segment); returns
+        how many records were dropped."""
+        count = self.waiting()
+        self.gates, self.lines = [], []
+        return count
+
     def take(self, count: int) -> list[HeldGate]:
         """The first ``count`` held gates, gone from here (on a rank that does not write: rank zero wrote them)."""
         done, self.gates = self.gates[:count], self.gates[count:]

@@ -271,3 +271,47 @@ def test_load_intervals_the_disk_refuses_wait_in_memory_and_are_written_in_order
     assert [(x["first_step"], x["step"]) for x in read_load(out)] == [(1, 2), (3, 4), (5, 6), (7, 8)]
     assert all(sum(row["load"]) == 2 * (2 * 16) * 2 for x in read_load(out) for row in x["layers"])  # 2 forwards, top-2
     assert sum("waits in memory" in m for m in caplog.messages) == 2
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room-at-resume", "still-full-at-resume"])
+def test_a_resume_in_the_same_process_never_writes_what_waited_into_the_restored_history(tmp_path, caplog, room):
+    out = tmp_path / "atlas"
+    disk = Disk(out)
+    gate = _gate(out, config={**CONFIG, "telemetry": {"enabled": True, "early_gate": False, "every_n_steps": 2}})
+    ids = torch.Generator().manual_seed(0)
+
+    def train(steps):
+        for step in steps:
+            gate.model.train()(torch.randint(0, 64, (2, 16), generator=ids))   # a training forward
+            gate.step(step)
+
+    with disk.mounted():
+        gate.run(0, loss=4.0)
+        train(range(1, 5))
+        gate.run(4, loss=3.9)
+        saved = gate.state_dict()                                  # the checkpoint of step 4
+        disk.fill()
+        train(range(5, 7))                                         # the interval of steps 5-6 waits in memory
+        assert gate.run(6, loss=3.8)["status"] == "FAILED"         # and the gate of step 6, with its failure
+        assert len(gate.held.gates) == 1 and gate.held.waiting() >= 3
+        if room:
+            disk.room()
+        with caplog.at_level(logging.ERROR, logger="atlas_tracking"):
+            gate.resume(4, saved)                                  # the same process goes back to step 4
+        assert gate.held.waiting() == 0
+        disk.room()
+        train(range(5, 7))
+        gate.run(6, loss=3.7)
+    history = read_history(out)
+    assert [(r["step"], r["resume"]) for r in history] == [(0, False), (4, False), (6, True)]
+    assert [r["step"] for r in read_lines(out / "gates.jsonl")] == [0, 4, 6]       # the file itself, not only its reading
+    assert [(x["first_step"], x["step"]) for x in read_load(out)] == [(1, 2), (3, 4), (5, 6)]
+    assert [e["step"] for e in read_lines(out / "errors.jsonl")] == []
+    parked = [(x["first_step"], x["step"]) for x in read_lines(out / "load.abandoned.jsonl")]
+    if room:  # the abandoned segment's gate, interval and failure are filed with it
+        assert [r["step"] for r in read_lines(out / "gates.abandoned.jsonl")] == [6] and parked == [(5, 6)]
+        assert [e["step"] for e in read_lines(out / "errors.abandoned.jsonl")] == [6]
+    else:     # lost, and the log says so
+        assert not read_lines(out / "gates.abandoned.jsonl") and parked == []
+        assert any("they are lost, not written into the restored history" in m for m in caplog.messages)
+    assert _decisions(replay(history, AtlasConfig.coerce(CONFIG))) == _decisions(history)
