@@ -18,8 +18,13 @@ from typing import Annotated, Any, TypedDict
 
 from atlas_tracking.schema.record import Metric, metric_fields
 
-LOAD_SCHEMA_VERSION = 1
-"""The version of the lines this package writes to ``load.jsonl`` (a line states it as ``schema_version``)."""
+LOAD_SCHEMA_VERSION = 2
+"""The version of the lines this package writes to ``load.jsonl`` (a line states it as ``schema_version``). Version 2
+counts only the router calls of training forwards with gradients on (docs/telemetry.md#what-is-counted); version 1
+also counted training-mode passes without gradients (:data:`COUNTED_NO_GRAD_PASSES`)."""
+COUNTED_NO_GRAD_PASSES = 1
+"""The ``load.jsonl`` version whose intervals also counted training-mode passes without gradients (a log-probability
+pass, a generation under ``no_grad``): read beside later intervals, its loads are not on the same footing."""
 
 
 class LoadLayer(TypedDict, total=False):

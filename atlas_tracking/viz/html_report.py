@@ -60,7 +60,7 @@ from atlas_tracking.viz.figures import (
 from atlas_tracking.viz.first_screen import intervention_html, name_layers, worst_table
 from atlas_tracking.viz.rollout import LAYER_HEADER, fig_rollout, first_mismatch_rows, layer_rows
 from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
-from atlas_tracking.viz.train_load import load_view
+from atlas_tracking.viz.train_load import load_view, no_grad_note
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -293,6 +293,8 @@ def load_section(lines: list[dict[str, Any]], recs: list[dict[str, Any]]) -> tup
                     f"{html.escape(str(g['trigger_reason'] or '-'))}</li>" for g in view["early_gates"])
     uncounted = "".join(f"<p>Steps {a}-{b}: no interval holds their routes (counted by processes gone before a "
                         "resume).</p>" for a, b in view["uncounted"])
+    if (note := no_grad_note(view)) is not None:
+        uncounted += f"<p>{html.escape(note)}.</p>"
     text = f"""<h2>Training-batch load between gates</h2>
 <p>{view['intervals']} interval(s) of the routes the model's router chose in training, steps {view['first_step']}-\
 {view['last_step']} (load.jsonl; docs/telemetry.md).</p>{uncounted}

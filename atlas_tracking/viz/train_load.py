@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atlas_tracking.artifacts.load_summary import summarize, worst_row
+from atlas_tracking.schema.load import COUNTED_NO_GRAD_PASSES
 
 EARLY_TRIGGER = "telemetry"
 """The ``trigger`` of a gate record that the training-batch alarm asked for (an early gate)."""
@@ -79,7 +80,21 @@ def load_view(lines: Sequence[dict[str, Any]], gates: Sequence[dict[str, Any]]) 
         "early_gates": [{"step": g["step"], "status": g.get("status"), "stage": g.get("stage"),
                          "trigger_reason": g.get("trigger_reason")} for g in gates if is_early(g)],
         "uncounted": [line["uncounted"] for line in lines if line.get("uncounted")],
+        "counted_no_grad": [[line.get("first_step", line["step"]), line["step"]] for line in lines
+                            if line.get("schema_version") == COUNTED_NO_GRAD_PASSES],
     }
+
+
+def no_grad_note(view: dict[str, Any]) -> str | None:
+    """What the report and ``atlas-tracking gates`` say of intervals written by version 1 of ``load.jsonl``, which
+    also counted training-mode passes without gradients (None when there are none)."""
+    spans = view["counted_no_grad"]
+    if not spans:
+        return None
+    return (f"{len(spans)} interval(s) of steps {spans[0][0]}-{spans[-1][1]} were written by load.jsonl version "
+            f"{COUNTED_NO_GRAD_PASSES}, which also counted training-mode passes without gradients (a log-probability "
+            "pass, a generation under no_grad); later versions count training forwards only "
+            "(docs/telemetry.md#what-is-counted)")
 
 
 def _num(value: float) -> str:
@@ -99,6 +114,8 @@ def format_load(view: dict[str, Any]) -> list[str]:
         out.append(f"  {where}: worst layer {last['worst_layer']} ({last['worst_layer_name']}): {numbers}")
     for first, end in view["uncounted"]:
         out.append(f"  steps {first}-{end}: no interval holds their routes (counted by processes gone before a resume)")
+    if (note := no_grad_note(view)) is not None:
+        out.append(f"  {note}")
     cleared = sum(1 for a in view["alerts"] if a["level"] == "INFO")
     out.append(f"  alarms raised: {len(view['alerts']) - cleared}" + (f", cleared: {cleared}" if cleared else ""))
     for a in view["alerts"]:

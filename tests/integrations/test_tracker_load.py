@@ -57,7 +57,7 @@ def load_line(step: int, layers: int, experts: int, seed: int, every: int = 5) -
         p[-1] = 0.0
         rows.append({"layer": i, "name": f"model.layers.{i}.mlp", "load": rng.multinomial(2 * tokens, p / p.sum()).tolist(),
                      "dropped": None, "tokens": tokens, "calls": every, "processes": 1})
-    return {"schema_version": 1, "step": step, "first_step": step - every + 1, "tokens": tokens, "layers": rows,
+    return {"schema_version": 2, "step": step, "first_step": step - every + 1, "tokens": tokens, "layers": rows,
             "run_id": "r", "branch": "b", "phase": "pretraining", "reference_step": None, "breach": [], "alerts": [],
             "alarm": False, "early_gate": False}
 

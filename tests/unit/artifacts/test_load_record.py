@@ -19,7 +19,7 @@ from atlas_tracking.schema.artifacts import LOAD, LOAD_ABANDONED
 
 
 def _interval(step, branch, **extra):
-    return {"schema_version": 1, "step": step, "first_step": step - 9, "tokens": 64, "branch": branch,
+    return {"schema_version": 2, "step": step, "first_step": step - 9, "tokens": 64, "branch": branch,
             "layers": [{"layer": 0, "name": "model.layers.0.mlp", "load": [step, 3, 0, 1], "dropped": None,
                         "tokens": 64, "calls": 2, "processes": 1}], **extra}
 

@@ -124,3 +124,28 @@ def test_a_run_without_load_jsonl_has_no_section(tmp_path, capsys):
     assert "training-batch load" not in capsys.readouterr().out
     assert main(["gates", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["load"] is None
+
+
+def test_intervals_of_the_first_load_version_are_named_as_counting_passes_without_gradients(tmp_path, capsys):
+    """Version 1 of ``load.jsonl`` also counted training-mode passes without gradients; a history that holds its
+    intervals (a run resumed across versions) says which steps they cover, in the text, the JSON and the report."""
+    from atlas_tracking.viz.html_report import load_section
+
+    append_line(tmp_path / "gates.jsonl", {"step": 0, "branch": "a", "status": "BASELINE", "stage": "baseline",
+                                           "trigger": "start"})
+    layers = [{"layer": 1, "name": "l1", "load": [4, 4, 4, 4]}]
+    lines = [{"schema_version": version, "step": step, "first_step": step - 3, "tokens": 8, "layers": layers,
+              "branch": "a"} for version, step in ((1, 4), (1, 8), (2, 12))]
+    for line in lines:
+        append_line(tmp_path / LOAD, line)
+    said = ("2 interval(s) of steps 1-8 were written by load.jsonl version 1, which also counted training-mode passes "
+            "without gradients")
+    assert main(["gates", str(tmp_path)]) == 0
+    assert said in capsys.readouterr().out
+    assert main(["gates", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["load"]["counted_no_grad"] == [[1, 4], [5, 8]]
+    assert said in load_section(lines, [{"step": 0, "trigger": "start"}])[0]
+    append_line(tmp_path / "current" / LOAD, lines[-1])                  # the current version alone: nothing said
+    append_line(tmp_path / "current" / "gates.jsonl", {"step": 0, "branch": "a", "status": "BASELINE"})
+    assert main(["gates", str(tmp_path / "current")]) == 0
+    assert "version 1" not in capsys.readouterr().out
