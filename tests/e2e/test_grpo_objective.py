@@ -32,7 +32,9 @@ def grpo_fit(out: Path, tokenizer, report_to: list[str], callback: AtlasTrainerC
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    model = tiny_model(aux_coef=0.0)  # Qwen3-MoE's aux loss does not take GRPO's completion-only mask
+    # no aux loss: once an evaluation has run, transformers' Qwen3-MoE fails in GRPO's generation with it (router
+    # logits of the new tokens against the whole attention mask), with the callback or without it
+    model = tiny_model(aux_coef=0.0)
     model.resize_token_embeddings(len(tokenizer))
     model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=report_to,
