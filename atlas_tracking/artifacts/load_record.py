@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import (
+    HistoryError,
     read_lines,
     read_lines_and_torn,
     torn_note,
     write_lines,
 )
 from atlas_tracking.schema.artifacts import LOAD, LOAD_ABANDONED
+from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
 
 log = logging.getLogger("atlas_tracking")
 
@@ -50,12 +52,18 @@ def series_file(path: str | Path, name: str) -> Path:
     return path
 
 
-def read_series(file: Path, kind: str, lost: str) -> list[dict[str, Any]]:
+def read_series(file: Path, kind: str, lost: str, newest: int) -> list[dict[str, Any]]:
     """Every complete line of ``file``, in order; a last line cut short by a crash is left out with one warning
-    naming it as a ``kind`` whose ``lost`` figures the next append removes."""
+    naming it as a ``kind`` whose ``lost`` figures the next append removes. A line of a ``schema_version`` newer than
+    ``newest`` (written by a later atlas_tracking) is a :class:`~atlas_tracking.artifacts.history.HistoryError`."""
     lines, torn = read_lines_and_torn(file)
     if torn:
         log.warning(torn_note(file, torn, kind, f"the next append removes it; its {lost} are lost"))
+    for line in lines:
+        version = line.get("schema_version", newest)
+        if isinstance(version, bool) or not isinstance(version, int) or version > newest:
+            raise HistoryError(f"{file}: the {kind} at step {line.get('step')} has schema_version {version!r}; this "
+                               f"atlas_tracking reads versions <= {newest}")
     return lines
 
 
@@ -67,7 +75,7 @@ def load_file(path: str | Path) -> Path:
 
 def read_load(path: str | Path) -> list[dict[str, Any]]:
     """Every complete interval, in file order; a last line cut short by a crash is left out with one warning."""
-    return read_series(load_file(path), "interval", "routes")
+    return read_series(load_file(path), "interval", "routes", LOAD_SCHEMA_VERSION)
 
 
 def in_history(line: dict[str, Any], segments: Segments, step: int) -> bool:

@@ -25,12 +25,13 @@ from typing import Any
 
 from atlas_tracking.artifacts.load_record import Segments, read_series, rewind_series, series_file
 from atlas_tracking.schema.artifacts import ROLLOUT, ROLLOUT_ABANDONED
+from atlas_tracking.schema.rollout import ROLLOUT_SCHEMA_VERSION
 
 
 def read_rollout(path: str | Path) -> list[dict[str, Any]]:
     """Every complete recorded step of a run directory (a Lightning root, or the file), in file order; a last line
     cut short by a crash is left out with a warning."""
-    return read_series(series_file(path, ROLLOUT), "rollout step", "figures")
+    return read_series(series_file(path, ROLLOUT), "rollout step", "figures", ROLLOUT_SCHEMA_VERSION)
 
 
 def rewind_rollout(run_dir: str | Path, step: int, segments: Segments | None) -> int:

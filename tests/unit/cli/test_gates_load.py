@@ -149,3 +149,26 @@ def test_intervals_of_the_first_load_version_are_named_as_counting_passes_withou
     append_line(tmp_path / "current" / "gates.jsonl", {"step": 0, "branch": "a", "status": "BASELINE"})
     assert main(["gates", str(tmp_path / "current")]) == 0
     assert "version 1" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", [LOAD, "rollout.jsonl"])
+def test_a_line_of_a_newer_version_is_refused_by_name(tmp_path, capsys, name):
+    """A ``load.jsonl`` or ``rollout.jsonl`` line written by a later atlas_tracking is never read as this version's."""
+    from atlas_tracking.artifacts.history import HistoryError
+    from atlas_tracking.artifacts.rollout_record import read_rollout
+    from atlas_tracking.cli.common import EXIT_ERROR
+    from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
+    from atlas_tracking.schema.rollout import ROLLOUT_SCHEMA_VERSION
+
+    newest, read = (LOAD_SCHEMA_VERSION, read_load) if name == LOAD else (ROLLOUT_SCHEMA_VERSION, read_rollout)
+    append_line(tmp_path / "gates.jsonl", {"step": 0, "branch": "a", "status": "BASELINE", "stage": "baseline"})
+    append_line(tmp_path / name, {"schema_version": newest, "step": 4, "first_step": 1, "tokens": 8, "layers": [],
+                                  "branch": "a"})
+    assert len(read(tmp_path)) == 1
+    append_line(tmp_path / name, {"schema_version": newest + 1, "step": 8, "first_step": 5, "branch": "a"})
+    with pytest.raises(HistoryError, match=rf"{name}: the .* at step 8 has schema_version {newest + 1}; this "
+                                           rf"atlas_tracking reads versions <= {newest}"):
+        read(tmp_path)
+    command = ["gates", str(tmp_path)] if name == LOAD else ["report", str(tmp_path), "--out", str(tmp_path / "r.html")]
+    assert main(command) == EXIT_ERROR
+    assert f"has schema_version {newest + 1}; this atlas_tracking reads" in capsys.readouterr().err
