@@ -66,12 +66,17 @@ class CommitOnWrite:
         """A resume in the same process: what waits for the disk is written as the record of the segment it came from,
         uncommitted (the restored state replaces this process's), so that the rewind files it like any record of that
         segment; what the disk still refuses is dropped, never written into the restored history later."""
+        error: Any = None
         if is_rank_zero() and self.held.waiting():
-            self.held.flush()
+            try:
+                self.held.flush()
+                error = self.held.error
+            except Exception as exc:  # monitoring never stops a resume: what is left is dropped below, and said
+                error = f"{type(exc).__name__}: {exc}"
         dropped = self.held.drop()  # every rank: its copies of the held gates go too
         if dropped and is_rank_zero():
-            log.error("atlas: %d record(s) of the segment before the resume at step %s had no room on the disk (%s): "
-                      "they are lost, not written into the restored history", dropped, step, self.held.error)
+            log.error("atlas: %d record(s) of the segment before the resume at step %s could not be written (%s): "
+                      "they are lost, not written into the restored history", dropped, step, error)
 
     def _take_baseline(self, step: int, report: Any) -> str | None:
         """This gate's measurement becomes the baseline once it is on disk. A baseline that cannot be written is not
