@@ -8,7 +8,9 @@ every later call (the next gate, an optimizer step, the end of training) the hel
 a gate's line is written whole from its record in memory (a write that failed part-way took its cut line back, so
 nothing torn is ever read as a gate) and logged as a repair, and only then does the gate commit. Gates that are
 still held when training ends are lost, and the record says nothing of them but their failures: the history on
-disk and the checkpointed state always agree, so ``replay`` of the history is what ran live.
+disk and the checkpointed state always agree, so ``replay`` of the history is what ran live. A resume in the same
+process writes what waits first, uncommitted, as the record of the segment it came from (the rewind then files it),
+and drops what the disk still refuses: nothing held before a resume is written into the restored history.
 
 Example:
     >>> import tempfile
