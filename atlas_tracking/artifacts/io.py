@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from atlas_tracking.schema.record import version_refused
+
 
 def jsonable(obj: Any) -> Any:
     """Numpy arrays and scalars to lists and Python numbers; non-finite floats to None."""
@@ -139,9 +141,8 @@ def check_header(data: Any, kind: str, max_version: int, where: str, error: type
     """An artifact's ``kind`` and ``schema_version`` (a newer schema than this code reads is an error)."""
     if not isinstance(data, dict) or data.get("kind") != kind:
         raise error(f"{where} is not an {kind} artifact (missing kind={kind!r})")
-    version = data.get("schema_version")
-    if not isinstance(version, int) or version > max_version:
-        raise error(f"{where} has schema_version {version!r}; this atlas_tracking reads versions <= {max_version}")
+    if (refused := version_refused(data.get("schema_version"), max_version)) is not None:
+        raise error(f"{where} {refused}")
 
 
 def sha256_text(text: str | bytes) -> str:

@@ -35,6 +35,7 @@ from atlas_tracking.artifacts.history import (
 )
 from atlas_tracking.schema.artifacts import LOAD, LOAD_ABANDONED
 from atlas_tracking.schema.load import LOAD_SCHEMA_VERSION
+from atlas_tracking.schema.record import version_refused
 
 log = logging.getLogger("atlas_tracking")
 
@@ -60,10 +61,8 @@ def read_series(file: Path, kind: str, lost: str, newest: int) -> list[dict[str,
     if torn:
         log.warning(torn_note(file, torn, kind, f"the next append removes it; its {lost} are lost"))
     for line in lines:
-        version = line.get("schema_version", newest)
-        if isinstance(version, bool) or not isinstance(version, int) or version > newest:
-            raise HistoryError(f"{file}: the {kind} at step {line.get('step')} has schema_version {version!r}; this "
-                               f"atlas_tracking reads versions <= {newest}")
+        if (refused := version_refused(line.get("schema_version", newest), newest)) is not None:
+            raise HistoryError(f"{file}: the {kind} at step {line.get('step')} {refused}")
     return lines
 
 

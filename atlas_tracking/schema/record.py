@@ -613,6 +613,18 @@ ALERT_LEVELS = ("INFO", "WARN", "ERROR")
 """Alert levels, least severe first."""
 
 
+def version_refused(version: Any, newest: int) -> str | None:
+    """Why a file's ``schema_version`` is not one this package reads (an integer no newer than ``newest``), as the
+    end of the reader's error; None when it reads it.
+
+    >>> version_refused(3, 2), version_refused(2, 2)
+    ('has schema_version 3; this atlas_tracking reads versions <= 2', None)
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or version > newest:
+        return f"has schema_version {version!r}; this atlas_tracking reads versions <= {newest}"
+    return None
+
+
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
     """A record as this version reads it: version 1 (unversioned) records gain ``schema_version``; a newer
     version than :data:`RECORD_SCHEMA_VERSION` is a :class:`RecordVersionError` naming both.
@@ -623,9 +635,8 @@ def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
     atlas_tracking.schema.record.RecordVersionError: the record at step 3 has schema_version 9; this atlas_tracking reads versions <= 2
     """
     version = record.get("schema_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version > RECORD_SCHEMA_VERSION:
-        raise RecordVersionError(f"the record at step {record.get('step')} has schema_version {version!r}; this "
-                                 f"atlas_tracking reads versions <= {RECORD_SCHEMA_VERSION}")
+    if (refused := version_refused(version, RECORD_SCHEMA_VERSION)) is not None:
+        raise RecordVersionError(f"the record at step {record.get('step')} {refused}")
     if version == RECORD_SCHEMA_VERSION:
         return record
     return {"schema_version": RECORD_SCHEMA_VERSION, **record}

@@ -291,13 +291,13 @@ def load_section(lines: list[dict[str, Any]], recs: list[dict[str, Any]]) -> tup
                      f" {html.escape(str(a['text']))}</li>" for a in view["alerts"])
     early = "".join(f"<li>step {g['step']}, read {html.escape(str(g['status']))} / {html.escape(str(g['stage']))}: "
                     f"{html.escape(str(g['trigger_reason'] or '-'))}</li>" for g in view["early_gates"])
-    uncounted = "".join(f"<p>Steps {a}-{b}: no interval holds their routes (counted by processes gone before a "
-                        "resume).</p>" for a, b in view["uncounted"])
+    notes = "".join(f"<p>Steps {a}-{b}: no interval holds their routes (counted by processes gone before a "
+                    "resume).</p>" for a, b in view["uncounted"])
     if (note := no_grad_note(view)) is not None:
-        uncounted += f"<p>{html.escape(note)}.</p>"
+        notes += f"<p>{html.escape(note)}.</p>"
     text = f"""<h2>Training-batch load between gates</h2>
 <p>{view['intervals']} interval(s) of the routes the model's router chose in training, steps {view['first_step']}-\
-{view['last_step']} (load.jsonl; docs/telemetry.md).</p>{uncounted}
+{view['last_step']} (load.jsonl; docs/telemetry.md).</p>{notes}
 {_img(figures['train_load.png'], 'training-batch load per layer between gates')}
 {_img(figures['train_expert_load.png'], 'training-batch expert load at the last interval: layers x experts')}
 <h3>Last interval (steps {view['last']['first_step']}-{view['last']['step']})</h3>
