@@ -37,7 +37,9 @@ def _fit(root, max_steps, canary, ckpt_path, seed):
     ckpt = ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=10, save_top_k=-1,
                            save_last=True)
     train, val = tiny_data(80, seed=seed)
-    callback = AtlasCallback(canary=canary, config=QUIET)
+    # every fit must end with both trackers holding the history: the end of training waits for the delivery however
+    # slow the machine (the bounded wait, gate.delivery_wait_s, is tests/integrations/test_tracker_stall.py's)
+    callback = AtlasCallback(canary=canary, config={**QUIET, "gate": {"delivery_wait_s": 600}})
     trainer = pl.Trainer(max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None,
                          logger=[wandb_logger, mlflow_logger], default_root_dir=str(root), callbacks=[callback, ckpt],
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
