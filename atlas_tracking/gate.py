@@ -128,6 +128,9 @@ class AtlasGate(CommitOnWrite):
         self.gates_run = 0
         self.seconds_total = 0.0
         """Wall time spent in gates so far (measure, baseline, policy, delivery): the cost of monitoring."""
+        self._read_at: float | None = None
+        """When this process last finished reading a gate (``time.perf_counter``): where ``gate_share``'s stretch
+        begins."""
         self._resume_pending = False
         self._claimed = False
         self._restored: dict[str, Any] | None = None
@@ -266,8 +269,9 @@ class AtlasGate(CommitOnWrite):
         which metric ``loss`` is and ``direction`` how it improves (default: ``objective`` in the config,
         :meth:`~atlas_tracking.schema.config.ObjectiveConfig.direction_for`); all go to the record. The
         record's ``gate_seconds`` is the wall time of the measurement and its reading (the delivery
-        that follows is added to ``seconds_total``). The returned record is the same on every rank
-        except ``receipts_sha256``, which rank zero adds when it writes the receipts.
+        that follows is added to ``seconds_total``), ``gate_share`` that time over the wall time since this process
+        last read a gate. The returned record is the same on every rank except each rank's own wall times
+        (``gate_seconds``, ``gate_share``) and ``receipts_sha256``, which rank zero adds when it writes the receipts.
 
         A gate commits when its line is durably in ``gates.jsonl``: only then do the policy's state, the lineage and
         :meth:`state_dict` advance. An ``OSError`` (a full disk) never stops training: the gate is held in memory
@@ -332,7 +336,11 @@ class AtlasGate(CommitOnWrite):
             self.telemetry.answered(record)
         self._resume_pending = False
         self._canary_changed_from = None
-        record["gate_seconds"] = time.perf_counter() - t0
+        read_at = time.perf_counter()
+        record["gate_seconds"] = read_at - t0
+        if self._read_at is not None:
+            record["gate_share"] = record["gate_seconds"] / (read_at - self._read_at)
+        self._read_at = read_at
         lineage = [*self.lineage, *([h.record["step"], h.record["branch"]] for h in self.held.gates), [step, self.branch]]
         plan, retained = _from_rank_zero(retention_plan(self.run_dir, self.config, lineage, [
             self.baseline_path, self.base_path]) if _is_rank_zero() else None)  # the lineage once this gate commits

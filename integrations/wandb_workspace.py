@@ -178,6 +178,8 @@ def _sections(n_layers: int, param_groups: tuple[str, ...]) -> list[SectionSpec]
                   "kl_base_cumulative", "canary_nll_delta_cumulative"),
             *param_panels,
             _line("gate wall time (s)", "gate_seconds"),
+            _line("gate's share of the wall time since the previous gate (the cost of gating this often)",
+                  "gate_share"),
         )),
         SectionSpec("atlas: router-expert coupling", (
             _line("alignment of router rows with their tokens (mean median, lowest lower decile)", "alignment_median",

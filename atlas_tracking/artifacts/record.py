@@ -37,6 +37,7 @@ from atlas_tracking.schema.record import (
     COMOVE_FIELDS,
     DELTA_FIELDS,
     DRIFT_METRICS,
+    GATE_METRICS,
     LAYER_DRIFT_FIELDS,
     LAYER_FIELDS,
     LAYER_METRICS,
@@ -148,12 +149,10 @@ def param_drift_metrics(drift: dict[str, Any] | None) -> dict[str, float]:
 def gate_metrics(record: GateRecord | dict[str, Any], per_layer: bool = True) -> dict[str, float]:
     """Scalar tracker metrics of a record under the ``atlas/`` namespace (bounded key count)."""
     out: dict[str, float] = {}
-    for key in (*SUMMARY_METRICS, *DRIFT_METRICS):
+    for key in (*SUMMARY_METRICS, *DRIFT_METRICS, *GATE_METRICS):
         v = finite_number(record.get(key))
         if v is not None:
             out[f"atlas/{METRIC_NAMES.get(key, key)}"] = v
-    if finite_number(record.get("gate_seconds")) is not None:
-        out["atlas/gate_seconds"] = float(record["gate_seconds"])
     if record.get("ov_cf_terminal_ordinal") is not None:
         out["atlas/ov_cf_cliff_off_terminal"] = float(record.get("ov_cf_cliff_note") is not None)
     out.update(param_drift_metrics(record.get("param_drift")))

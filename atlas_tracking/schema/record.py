@@ -501,6 +501,10 @@ class Gate(TypedDict, total=False):
     """Parameter drift per module group against the baseline's parameters."""
     gate_seconds: Annotated[float, Metric()]
     """The gate's own wall time: what monitoring costs."""
+    gate_share: Annotated[float, Metric()]
+    """``gate_seconds`` over the wall time from the end of the previous gate's reading in this process to the end of
+    this one's (the training between them, the previous gate's delivery and this gate): the share of that stretch
+    the gate took, 0 to 1. Absent at a process's first gate, which has no stretch before it."""
     receipts_sha256: str
     """sha256 of the bytes of ``receipts/step_N.json`` or ``receipts/step_N.safetensors`` (rank zero adds it when it
     writes the receipts)."""
@@ -594,6 +598,8 @@ METRIC_NAMES = {k: v for k, v in metric_fields(Summary).items() if k != v}
 LAYER_METRICS = tuple(metric_fields(LayerRecord))
 """Per-layer receipts logged at every gate (one key per routed layer each)."""
 DRIFT_METRICS = (*metric_fields(Margins), *metric_fields(BaseDamage), *metric_fields(CoMovement))
+GATE_METRICS = tuple(metric_fields(Gate))
+"""The gate's own cost, logged at every gate."""
 LAYER_FIELDS = (*fields(LayerReceipts), BOUNDARY_MASS_KEY)
 """Per-layer receipts a record copies from the receipts artifact."""
 LAYER_DRIFT_FIELDS = fields(LayerDrift)

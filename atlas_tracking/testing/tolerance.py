@@ -17,7 +17,7 @@ nats, margins in score units) and of the canary NLL."""
 EXACT = 0.0
 """Counts and sets: loads, dead experts, cells, excluded/dropped/violating tokens, anchors that changed."""
 
-SKIP = {"per_window", "anchors", "gate_seconds", "fingerprint", "config", "canary", "step", "selfcheck"}
+SKIP = {"per_window", "anchors", "gate_seconds", "gate_share", "fingerprint", "config", "canary", "step", "selfcheck"}
 """Sections that are inputs or bookkeeping, not receipts (per-window arrays are what the receipts derive from).
 ``selfcheck`` holds the adapter's rounding-level errors against the model's forward, a diagnostic: under
 expert parallelism its recombination check evaluates only tokens whose experts are all held locally, so

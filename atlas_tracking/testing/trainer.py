@@ -143,6 +143,6 @@ def ddp_fit(rank: int, world: int, out: str, steps: int, eval_steps: int) -> dic
     if rank == 0:
         save_model(model, str(Path(out) / "weights.safetensors"))
     record = dict(callback.last_record or {})
-    for own in ("receipts_sha256", "gate_seconds"):  # rank zero's file checksum; each rank's own wall time
+    for own in ("receipts_sha256", "gate_seconds", "gate_share"):  # rank zero's file checksum; each rank's own wall times
         record.pop(own, None)
     return {"world": trainer.args.world_size, "last": record}

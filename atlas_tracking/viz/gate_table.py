@@ -1,6 +1,6 @@
 """A run's gates for the terminal: the last gate's verdict, where and what to do first
-(:func:`~atlas_tracking.viz.first_screen.first_lines`), then one row per gate, the training-batch load between them,
-the failed gates, and what each tracker still lacks.
+(:func:`~atlas_tracking.viz.first_screen.first_lines`), then one row per gate, what the gates cost
+(:func:`gate_cost`), the training-batch load between them, the failed gates, and what each tracker still lacks.
 
 :func:`gate_table` is the table (``ref`` is the step the deltas are against: the baseline, or the
 previous gate in pretraining); :func:`run_gates` reads a run directory into the rows, the intervals of
@@ -35,11 +35,13 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 from atlas_tracking.artifacts.history import gates_file, key, read_history, read_lines
 from atlas_tracking.artifacts.load_record import read_load
+from atlas_tracking.artifacts.record import finite_number
 from atlas_tracking.artifacts.run_dir import RunDir
 from atlas_tracking.schema.verdict import gate_verdict
 from atlas_tracking.viz.first_screen import first_lines
@@ -85,6 +87,36 @@ def backlog(run: RunDir, history: list[dict[str, Any]]) -> dict[str, dict[str, A
     return out
 
 
+def gate_cost(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a history's gates cost: how many recorded their wall time, its sum, and the median and last of their
+    shares of the wall time since the gate before in the same process (``gate_share``; None where no gate has one);
+    None where no gate recorded its time.
+
+    >>> gate_cost([{"gate_seconds": 2.0}, {"gate_seconds": 1.0, "gate_share": 0.02},
+    ...            {"gate_seconds": 1.0, "gate_share": 0.01}])
+    {'gates': 3, 'seconds': 4.0, 'share_median': 0.015, 'share_last': 0.01}
+    """
+    seconds = [finite for r in history if (finite := finite_number(r.get("gate_seconds"))) is not None]
+    shares = [finite for r in history if (finite := finite_number(r.get("gate_share"))) is not None]
+    if not seconds:
+        return None
+    return {"gates": len(seconds), "seconds": sum(seconds),
+            "share_median": statistics.median(shares) if shares else None, "share_last": shares[-1] if shares else None}
+
+
+def format_cost(cost: dict[str, Any]) -> str:
+    """:func:`gate_cost` as a line.
+
+    >>> format_cost({"gates": 3, "seconds": 4.0, "share_median": 0.015, "share_last": 0.01})
+    'gate cost: 3 gates, 4.0 s in all; each gate over the wall time since the one before: median 1.50%, last 1.00%'
+    """
+    line = f"gate cost: {cost['gates']} gates, {cost['seconds']:.1f} s in all"
+    if cost["share_median"] is None:
+        return line
+    return (line + f"; each gate over the wall time since the one before: median {100 * cost['share_median']:.2f}%, "
+            f"last {100 * cost['share_last']:.2f}%")
+
+
 def run_gates(path: str | Path) -> dict[str, Any]:
     """A run directory (or its gates file) read for the terminal: rows, the training-batch load between gates,
     failed gates and the trackers' backlog."""
@@ -94,13 +126,16 @@ def run_gates(path: str | Path) -> dict[str, Any]:
     failed = [{"step": e["step"], "branch": e.get("branch"), "error": e.get("error")} for e in read_lines(run.errors)]
     return {"gates_file": str(file), "first": first_lines(history[-1]) if history else [], "header": HEADER,
             "rows": [_row(r) for r in history],
-            "load": load_view(read_load(file.parent), history), "failed": failed, "backlog": backlog(run, history)}
+            "load": load_view(read_load(file.parent), history), "cost": gate_cost(history), "failed": failed,
+            "backlog": backlog(run, history)}
 
 
 def format_run_gates(summary: dict[str, Any]) -> str:
     """The text ``atlas-tracking gates`` prints for :func:`run_gates`' answer."""
     lines = [*summary["first"], ""] if summary.get("first") else []
     lines.append(format_table(summary["header"], summary["rows"]))
+    if summary.get("cost"):
+        lines.append(format_cost(summary["cost"]))
     if summary.get("load"):
         lines += format_load(summary["load"])
     if summary["failed"]:

@@ -58,6 +58,7 @@ from atlas_tracking.viz.figures import (
     png_bytes,
 )
 from atlas_tracking.viz.first_screen import intervention_html, name_layers, worst_table
+from atlas_tracking.viz.gate_table import format_cost, gate_cost
 from atlas_tracking.viz.rollout import LAYER_HEADER, fig_rollout, first_mismatch_rows, layer_rows
 from atlas_tracking.viz.tables import NA_TOP1, c2_cell, top1
 from atlas_tracking.viz.train_load import load_view, no_grad_note
@@ -503,7 +504,8 @@ def run_page(recs: list[dict[str, Any]], title: str, failures: list[dict[str, An
 <h2>Stages and alerts</h2>{_img(figures['stage_timeline.png'], 'stage timeline')}
 <h2>Claims of the last gate</h2><div class="claims"><b>Licensed</b><ul>{licensed}</ul>
 <b>Not licensed</b><ul>{unlicensed}</ul>First intervention: <a href="#what-to-do">on the first screen</a>.</div>
-<h2>Gates</h2>{_table(['step', 'loss', 'c2', 'dead', 'min H', 'cv', 'margin', 'status', 'stage', 'alerts'], rows)}"""
+<h2>Gates</h2>{_table(['step', 'loss', 'c2', 'dead', 'min H', 'cv', 'margin', 'status', 'stage', 'alerts'], rows)}
+{f"<p>{html.escape(format_cost(cost))}</p>" if (cost := gate_cost(recs)) else ""}"""
     return _page(title, finish(body, last.get("layers", []), links)), figures
 
 

@@ -226,7 +226,7 @@ def test_mock_logger_receives_exactly_these_keys(tmp_path):
                "atlas/ov_cf_cliff_off_terminal", "atlas/near_tie_bf16", "atlas/near_tie_bf16_max", "atlas/near_tie_fp16",
                "atlas/near_tie_fp16_max", "atlas/alignment_median", "atlas/alignment_p10_min", "atlas/alignment_negative"]
     baseline_keys = sorted(summary + layer_keys)
-    drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/handoff_margin", "atlas/refine_margin", "atlas/kl_base",
+    drift_keys = sorted(baseline_keys + ["atlas/loss", "atlas/gate_share", "atlas/handoff_margin", "atlas/refine_margin", "atlas/kl_base",
                                          "atlas/canary_nll_delta", "atlas/comove_state", "atlas/comove_state_against",
                                          "atlas/comove_field", "atlas/comove_router_still"]
                         + [f"atlas/layer_{i:02d}/{k}" for i in (0, 1) for k in ("c2_delta", "boundary_drift")]

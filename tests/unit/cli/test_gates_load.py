@@ -47,7 +47,8 @@ def test_gates_text_has_the_load_section_after_the_table(run, capsys):
     out = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(out) if line.startswith("training-batch load between gates"))
     table = out.index("") + 1  # after the last gate's verdict, where and what to do
-    assert start == table + 2 + len(gates)  # header, rule, one row per gate, then the section
+    assert start == table + 2 + len(gates) + 1  # header, rule, one row per gate, what they cost, then the section
+    assert out[start - 1].startswith(f"gate cost: {len(gates)} gates, ")
     assert out[start] == (f"training-batch load between gates: {len(lines)} interval(s), steps "
                           f"{lines[0]['first_step']}-{lines[-1]['step']}")
     last = lines[-1]

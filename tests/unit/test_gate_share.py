@@ -1,0 +1,56 @@
+"""``gate_share``: a gate's wall time over the stretch since the same process last read a gate, the share of
+training time that gating this often costs (docs/trackers.md)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from atlas_tracking import Canary
+from atlas_tracking.artifacts.history import read_history
+from atlas_tracking.artifacts.record import gate_metrics
+from atlas_tracking.gate import AtlasGate
+from atlas_tracking.viz.gate_table import format_run_gates, run_gates
+
+CFG = {"receipts": {"progress": False}}
+TRAINING_S = 0.4
+"""What stands in for the training between two gates: a sleep the stretch holds whole."""
+
+
+def _model() -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2))
+
+
+def test_the_share_is_the_gate_over_the_stretch_since_the_last_gate_this_process_read(tmp_path):
+    model, canary = _model(), Canary.from_token_ids(np.arange(3000) % 64, window=32, n_windows=8, seed=0)
+    gate = AtlasGate(model, canary, CFG, out_dir=tmp_path)
+    start = time.perf_counter()
+    first = gate.run(step=0, loss=4.0)
+    time.sleep(TRAINING_S)
+    second = gate.run(step=10, loss=3.9)
+    wall = time.perf_counter() - start
+    assert "gate_share" not in first and "atlas/gate_share" not in gate_metrics(first)
+    seconds = second["gate_seconds"]
+    # the stretch holds the sleep and the second gate, and lies within both calls: exact bounds, no timing guess
+    assert seconds / wall <= second["gate_share"] <= seconds / (TRAINING_S + seconds) < 1
+    assert gate_metrics(second)["atlas/gate_share"] == second["gate_share"]
+    assert read_history(tmp_path)[-1]["gate_share"] == second["gate_share"]  # the local record holds it
+
+    # another process (a resume): its first gate has no stretch of its own, and is not given the last one's
+    again = AtlasGate(model, canary, CFG, out_dir=tmp_path)
+    again.resume(10, gate.state_dict())
+    time.sleep(TRAINING_S)
+    third = again.run(step=20, loss=3.8)
+    assert "gate_share" not in third
+
+    # what `atlas-tracking gates` says of the run's cost: the record's own figures, nothing measured again
+    cost = run_gates(tmp_path)["cost"]
+    assert cost == {"gates": 3, "seconds": sum(r["gate_seconds"] for r in (first, second, third)),
+                    "share_median": second["gate_share"], "share_last": second["gate_share"]}
+    assert f"last {100 * second['gate_share']:.2f}%" in format_run_gates(run_gates(tmp_path))
