@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-from atlas_tracking import Canary
 from atlas_tracking.artifacts.history import read_history
 from atlas_tracking.artifacts.record import gate_metrics
 from atlas_tracking.gate import AtlasGate
+from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+from atlas_tracking.testing.tiny import tiny_canary
 from atlas_tracking.viz.gate_table import format_run_gates, run_gates
 
 CFG = {"receipts": {"progress": False}}
@@ -20,15 +17,8 @@ TRAINING_S = 0.4
 """What stands in for the training between two gates: a sleep the stretch holds whole."""
 
 
-def _model() -> Qwen3MoeForCausalLM:
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2))
-
-
 def test_the_share_is_the_gate_over_the_stretch_since_the_last_gate_this_process_read(tmp_path):
-    model, canary = _model(), Canary.from_token_ids(np.arange(3000) % 64, window=32, n_windows=8, seed=0)
+    model, canary = build_qwen3_moe(hidden=32, layers=2, experts=8).eval(), tiny_canary()
     gate = AtlasGate(model, canary, CFG, out_dir=tmp_path)
     start = time.perf_counter()
     first = gate.run(step=0, loss=4.0)
@@ -50,7 +40,7 @@ def test_the_share_is_the_gate_over_the_stretch_since_the_last_gate_this_process
     assert "gate_share" not in third
 
     # what `atlas-tracking gates` says of the run's cost: the record's own figures, nothing measured again
-    cost = run_gates(tmp_path)["cost"]
-    assert cost == {"gates": 3, "seconds": sum(r["gate_seconds"] for r in (first, second, third)),
+    summary = run_gates(tmp_path)
+    assert summary["cost"] == {"gates": 3, "seconds": sum(r["gate_seconds"] for r in (first, second, third)),
                     "share_median": second["gate_share"], "share_last": second["gate_share"]}
-    assert f"last {100 * second['gate_share']:.2f}%" in format_run_gates(run_gates(tmp_path))
+    assert f"last {100 * second['gate_share']:.2f}%" in format_run_gates(summary)
