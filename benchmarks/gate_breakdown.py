@@ -3,13 +3,13 @@
 ``python benchmarks/gate_breakdown.py --width 64`` writes ``benchmarks/gate_breakdown_w64.json``: for a freshly
 initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token
 canary in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a
-gate (no baseline, eager field arithmetic) split into: the experts' calls that give the active fields (the gate's
-stand-in for the model's own call, one (token, expert) pair per row), those for the competitors (the adjacent and
-random ones, the self-check's sample), the per-token field arithmetic (``receipts/field_chunk.py``), the re-route
-of the post-update state for ``ov_cf`` (the model's norm and router), the self-check, and the rest. Each part is
+gate (no baseline, eager field arithmetic) split into: the experts' products (the active fields, read as the
+model's own experts code computes them, with the competitors and the self-check's sample in the same pass,
+``adapters/grouped_experts.py``), the per-token field arithmetic (``receipts/field_chunk.py``), the re-route of the
+post-update state for ``ov_cf`` (the model's norm and router), the self-check, and the rest. Each part is
 timed by wrapping the engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few
 microseconds a call, falls into the parts), the passes interleaved, the medians of ``--repeats``; every part is
-also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t).
+also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class PartTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[float] = []  # CPU seconds of inner parts, per open call
 
-    def wrap(self, part: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` timed into ``part`` (or ``part(*args)``: the part's name from the call's arguments)."""
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` timed into ``part``."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._stack.append(0.0)
@@ -57,7 +57,7 @@ class PartTimer:
             finally:
                 spent = time.process_time() - t0
                 inner = self._stack.pop()
-                self.seconds[part(*args) if callable(part) else part] += spent - inner
+                self.seconds[part] += spent - inner
                 if self._stack:
                     self._stack[-1] += spent
 
@@ -72,20 +72,13 @@ class PartTimer:
         return {**self.seconds, "total": total, "rest": total - sum(self.seconds.values())}
 
 
-def pair_call_part(cap: Any, groups: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor) -> str:
-    """A call of the experts for the active fields holds one group of ``k`` experts a row; any other holds the
-    competitors (one expert a row) and the self-check's sample. Told apart by the width of the first group's rows,
-    so only for k > 1 and gates without anchors (a drift gate's anchor calls hold ``k`` experts a row too)."""
-    return "experts_active" if groups and groups[0][1].dim() == 2 and groups[0][1].shape[1] > 1 else \
-        "experts_competitors"
-
-
-PARTS: list[tuple[type, str, str | Callable[..., str]]] = [
-    (capture.LayerCapture, "_pair_call", pair_call_part), (ChunkKernels, "__call__", "field_arithmetic"),
-    (HFLayer, "route_active", "reroute_ov_cf"), (SelfCheck, "observe", "selfcheck"),
-    (capture.LayerCapture, "compute", "receipts_per_window"), (capture.LayerCapture, "select", "selection"),
+PARTS: list[tuple[type, str, str]] = [
+    (HFLayer, "grouped_outputs", "experts"), (capture.LayerCapture, "_pair_call", "experts"),
+    (ChunkKernels, "__call__", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
+    (SelfCheck, "observe", "selfcheck"), (capture.LayerCapture, "compute", "receipts_per_window"),
+    (capture.LayerCapture, "select", "selection"),
 ]
-"""The engine's functions a gate's parts are timed in: (class, function, part or how the call names its part)."""
+"""The engine's functions a gate's parts are timed in: (class, function, part)."""
 
 
 @contextlib.contextmanager
@@ -143,8 +136,7 @@ def one_width(width: int, repeats: int) -> dict[str, Any]:
         "gate_seconds": gate,
         "gate_over_plain": gate["total"] / plain,
         "over_plain_forward": {part: seconds / plain for part, seconds in gate.items()},
-        "experts_calls_over_own": (gate.get("experts_active", 0.0) + gate.get("experts_competitors", 0.0)) / own,
-        "experts_active_over_own": gate.get("experts_active", 0.0) / own,
+        "experts_over_own": gate.get("experts", 0.0) / own,
     }
 
 

@@ -240,6 +240,14 @@ class RoutedLayer:
         call = self.experts_forward if self.experts_forward is not None else self.experts
         return call(rows, experts.view(-1, 1), ones)
 
+    def grouped_outputs(self, hidden: torch.Tensor, index: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The unweighted products ``[N, k, d]`` the experts' own forward sums for ``experts(hidden, index, weights)``,
+        and the raw outputs ``[R, m, d]`` of each group of further ``pairs`` (rows ``[R, d]``, experts ``[R, m]``), in
+        one pass; None where the adapter cannot read the experts' own products (the capture then evaluates the active
+        set one pair a row, :meth:`pair_outputs`). The default reads none."""
+        return None
+
     def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``."""
         n, m = experts.shape

@@ -28,6 +28,7 @@ from atlas_tracking.adapters.base import (
     Routing,
     register_family,
 )
+from atlas_tracking.adapters.grouped_experts import grouped_fields, grouped_implementation
 from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
 
 Scale = Callable[[nn.Module], float]
@@ -153,6 +154,15 @@ class HFLayer(RoutedLayer):
 
     def shared_output(self, g: torch.Tensor) -> torch.Tensor | None:
         return self.row.shared(self, g) if self.row.shared is not None else None
+
+    def grouped_outputs(self, hidden: torch.Tensor, index: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """transformers' ``grouped_mm`` experts read as their own code computes them (``adapters/grouped_experts.py``),
+        for a layer whose experts are called as the table reads them (no reading of its own for the pairs)."""
+        if type(self).pair_outputs is not RoutedLayer.pair_outputs or not self.fusable:
+            return None
+        moe = grouped_implementation(self.experts)
+        return None if moe is None else grouped_fields(self.experts, hidden, index, pairs, moe)
 
 
 class InputScaledLayer(HFLayer):

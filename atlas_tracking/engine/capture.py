@@ -21,7 +21,7 @@ from atlas_tracking.artifacts.baseline import LayerReference
 from atlas_tracking.artifacts.tensor_spool import TensorSpool
 from atlas_tracking.engine.anchor_storage import AnchorStorage
 from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICTS, arithmetic_key
-from atlas_tracking.engine.fields import FieldEvaluator, field_evaluator
+from atlas_tracking.engine.fields import FieldEvaluator, LocalFields, field_evaluator
 from atlas_tracking.engine.free_memory import field_rows
 from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
@@ -444,7 +444,8 @@ class LayerCapture:
                        *args: Any, **kwargs: Any) -> torch.Tensor:
         """Stand-in for the experts' forward during a gate: the model's own experts evaluate the active set,
         the adjacent and the random competitors (and the anchors) in as many calls as keep each within the
-        forward's own expert rows, and the active fields are reduced to the receipts.
+        forward's own expert rows (in one pass where the adapter reads the experts' own products), and the active
+        fields are reduced to the receipts.
 
         The output is the model's own, bit for bit: at the layer's first call under an arithmetic this process has
         not seen (``combine.arithmetic_key``) the experts' own forward runs too, and a combine of the active fields
@@ -593,6 +594,16 @@ class LayerCapture:
             u = torch.split(self.evaluator(rows_all, idx_all), sizes)
         return [part.view(*experts.shape, -1) for part, (_, experts) in zip(u, groups)]
 
+    def _grouped_call(self, hidden: torch.Tensor, index: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The active fields of the model's experts call (``hidden``, ``index``) as the products its own experts code
+        sums, with the fields of further ``pairs`` (groups as in :meth:`_pair_call`), where the layer's adapter reads
+        them so (``RoutedLayer.grouped_outputs``) and every expert is held here; None otherwise."""
+        if not isinstance(self.evaluator, LocalFields):
+            return None
+        with self._model_arithmetic():
+            return self.layer.grouped_outputs(hidden, index, pairs)
+
     def _anchor_calls(self, anchors: list[AnchorBatch], like: torch.Tensor) -> list[torch.Tensor]:
         """Each anchor batch's fields in a call of its own, so a baseline's anchors and the same anchors read at a
         later gate go through calls with the same rows: parts that did not change drift by exactly 0, whatever
@@ -625,7 +636,9 @@ class LayerCapture:
         call holding the rows of the model's own call in its order (so each expert's matmul sees the inputs it
         sees in the model's call), and each of ``combines`` builds the layer's output from those fields in
         the model's arithmetic; the chunked calls then hold the competitors only. The self-check's ``sample``
-        groups ride in the last chunked call, with the random competitors.
+        groups ride in the last chunked call, with the random competitors. Where the adapter reads the experts'
+        own products (:meth:`_grouped_call`), the active fields are those products, and when a single chunk holds
+        every token its competitors and sample come in the same pass.
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
@@ -645,9 +658,14 @@ class LayerCapture:
         c2, d_adj, jump = (torch.empty(n, device=dev) for _ in range(3))
         c2_ok = torch.empty(n, dtype=torch.bool, device=dev)
         v_k = torch.empty(n, d, device=dev)
-        active_u, outs = None, {}
+        wanted = -(-n // per_call)
+        active_u, joint, outs = None, None, {}
         if handed is not None:
-            (active_u,) = self._pair_call([(g2, handed.index)], g2)
+            grouped = self._grouped_call(g2, handed.index, [(g2, chosen), *extra] if wanted == 1 else [])
+            if grouped is None:
+                (active_u,) = self._pair_call([(g2, handed.index)], g2)
+            else:
+                active_u, joint = grouped[0], grouped[1] or None
             outs = {name: COMBINES[name](active_u, handed.weights, handed.index, handed.dtype) for name in combines}
             if not same_tensor(handed.index, routing.active):
                 # the active fields stay in the model's slot order; the adapter's per-expert values follow them
@@ -660,14 +678,13 @@ class LayerCapture:
         sum_fields = unit is not None and self.means_fields
         f_sum = torch.zeros(self.layer.num_experts, d, dtype=torch.float64, device=dev)
         paths: set[str] = set()
-        wanted = -(-n // per_call)
         for call in range(self.evaluator.calls(wanted)):
             if call >= wanted:
                 self._pair_call([], g2)
                 continue
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
             asked = chosen[t0:t1]
-            u_groups = self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
+            u_groups = joint or self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
             u_active = u_groups[0][:, :k] if active_u is None else active_u[t0:t1]  # the model's dtype
             part, path = PROCESS_KERNELS(
                 cfg.kernels, u_active, u_groups[0][:, -1], zh[t0:t1], rho[t0:t1], s_active[t0:t1],

@@ -1,0 +1,168 @@
+"""transformers' fused experts evaluated the way their ``grouped_mm`` implementation evaluates them, stopping before the
+weighted sum: the products the model sums are the gate's active fields.
+
+A gate needs each active expert's unweighted output (its field) and the layer's output exactly as the model computes
+it (docs/receipts.md#precision). transformers' ``grouped_mm`` experts implementation (``transformers.integrations.moe``)
+sorts the (token, slot) pairs by expert, runs one grouped product per projection, then weights the products and sums
+them per token. :func:`grouped_fields` takes the same steps on the same inputs (the same sort, the same products of
+the same rows in the same groups) and returns the products before the weighting: they are the terms of the model's
+own sum, so the ``slots`` combine (``engine/combine.py``) rebuilds the model's output from them, which the capture
+checks bit for bit at the first call under each arithmetic. Asking the experts' forward for the same fields, one
+(token, expert) pair a row with unit weights, costs a copy of every row, a product by the unit weights and a sum
+over a single slot on ``[N k, d]`` tensors.
+
+Further (row, expert) pairs, the competitors the gate evaluates, go through the same steps in groups of their own.
+On the CPU a grouped product is one matrix product per expert; where an expert's weights are large
+(:data:`INTERLEAVE_BYTES`), each expert's product for the further pairs runs right after its product for the active
+pairs, while its weights are still in cache, instead of in a second pass over every expert's weights. Either way
+each product has the rows, shapes and layout it has in a grouped product of its own, so the bits are the same.
+
+Example (a tiny Qwen3-MoE; transformers supplies the experts code):
+    >>> import torch
+    >>> from transformers import Qwen3MoeConfig
+    >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    >>> cfg = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, num_experts_per_tok=2)
+    >>> cfg._experts_implementation = "grouped_mm"
+    >>> experts = Qwen3MoeExperts(cfg)
+    >>> _ = torch.nn.init.normal_(experts.gate_up_proj), torch.nn.init.normal_(experts.down_proj)
+    >>> x, index, w = torch.randn(5, 8), torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [0, 2]]), torch.rand(5, 2)
+    >>> fields, (competitors,) = grouped_fields(experts, x, index, [(x, torch.tensor([[2], [0], [3], [1], [1]]))])
+    >>> torch.equal((fields * w.unsqueeze(-1)).sum(dim=1), experts(x, index, w))   # the model's own output
+    True
+    >>> torch.allclose(competitors[1, 0], experts(x[1:2], torch.tensor([[0]]), torch.ones(1, 1))[0])
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+from types import ModuleType
+
+import torch
+from torch import nn
+
+MOE_MODULE = "transformers.integrations.moe"
+"""Where transformers keeps its experts implementations (read only once transformers has loaded it)."""
+
+
+def grouped_implementation(experts: nn.Module) -> ModuleType | None:
+    """transformers' experts module (``transformers.integrations.moe``) when ``experts`` runs its ``grouped_mm``
+    implementation in this process, else None: the class's forward is the experts interface's dispatch, the config
+    chooses ``grouped_mm``, that name is transformers' own function, and the experts are not spread over an
+    expert-parallel group."""
+    moe = sys.modules.get(MOE_MODULE)
+    forward = getattr(type(experts), "forward", None)
+    if moe is None or getattr(forward, "__globals__", None) is not vars(moe):
+        return None
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    interface = inspect.getclosurevars(forward).nonlocals.get("experts_interface")
+    if implementation != "grouped_mm" or interface is None or getattr(experts, "_is_expert_parallel", True):
+        return None
+    if interface.get(implementation) is not getattr(moe, "grouped_mm_experts_forward", None):
+        return None
+    needed = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "num_experts", "down_proj")
+    return moe if all(hasattr(experts, name) for name in needed) else None
+
+
+INTERLEAVE_BYTES = 1 << 18
+"""On the CPU, a projection whose weights are at least this many bytes per expert runs expert by expert with the
+further pairs' product right after the active one (its weights read from memory once); smaller ones run as grouped
+products, one pass each. At 24 routed layers x 128 experts (``benchmarks/RESULTS.md`` (u)) the 32 KiB projections of
+width 64 were slower expert by expert (the loop's own cost) and the 512 KiB ones of width 256 faster."""
+
+
+class _Groups:
+    """(row, expert) pairs sorted by expert as ``grouped_mm_experts_forward`` sorts them (``perm``), the sorted
+    inputs (``rows``) and the groups' ends (``offsets``, int32, as the grouped product reads them)."""
+
+    def __init__(self, source: torch.Tensor, pair_rows: torch.Tensor | None, experts: torch.Tensor, n_experts: int,
+                 per_row: int = 1):
+        self.ids, self.perm = torch.sort(experts)
+        rows = self.perm // per_row if pair_rows is None else pair_rows.index_select(0, self.perm)
+        self.rows = source.index_select(0, rows)  # the same rows the model's indexing copies
+        counts_input = self.ids.float() if experts.device.type in ("cpu", "mps") else self.ids.int()
+        counts = torch.histc(counts_input, bins=n_experts, min=0, max=n_experts - 1)
+        self.offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    def unsort(self, out: torch.Tensor) -> torch.Tensor:
+        """The sorted products back in the pairs' own order."""
+        return torch.empty_like(out).index_copy_(0, self.perm, out)
+
+
+def _weight(experts: nn.Module, first: bool) -> torch.Tensor:
+    if not first:
+        return experts.down_proj
+    return experts.gate_up_proj if experts.has_gate else experts.up_proj
+
+
+def _bias(experts: nn.Module, first: bool, groups: _Groups) -> torch.Tensor | None:
+    if not experts.has_bias:
+        return None
+    name = "down_proj_bias" if not first else "gate_up_proj_bias" if experts.has_gate else "up_proj_bias"
+    return getattr(experts, name)[groups.ids]
+
+
+@torch.no_grad()
+def _expert_by_expert(weight: torch.Tensor, transposed: bool, parts: list[tuple[_Groups, torch.Tensor]]
+                      ) -> list[torch.Tensor]:
+    """One projection of every part, expert by expert: each expert's product for each part in turn, ``torch.mm`` into
+    its group's rows as the CPU's grouped product computes each group (so with the same bits)."""
+    per_expert = weight if transposed else weight.transpose(-2, -1)
+    inputs = [x.to(weight.dtype) for _, x in parts]
+    outs = [x.new_empty((x.shape[0], per_expert.shape[-1])) for x in inputs]
+    ends = [[0, *groups.offsets.tolist()] for groups, _ in parts]  # the grouped product reads them on the host too
+    for e in range(per_expert.shape[0]):
+        w = per_expert[e]
+        for bounds, x, out in zip(ends, inputs, outs):
+            if bounds[e] < bounds[e + 1]:
+                torch.mm(x[bounds[e] : bounds[e + 1]], w, out=out[bounds[e] : bounds[e + 1]])
+    return outs
+
+
+def _projection(experts: nn.Module, moe: ModuleType, first: bool, parts: list[tuple[_Groups, torch.Tensor]]
+                ) -> list[torch.Tensor]:
+    """One projection of every part (the first: gate and up, or up; else down), biases included."""
+    weight = _weight(experts, first)
+    per_expert_bytes = weight[0].numel() * weight.element_size() if len(weight) else 0
+    if len(parts) > 1 and weight.device.type == "cpu" and per_expert_bytes >= INTERLEAVE_BYTES:
+        outs = _expert_by_expert(weight, experts.is_transposed, parts)
+        for out, (groups, _) in zip(outs, parts):
+            bias = _bias(experts, first, groups)
+            if bias is not None:
+                out.add_(bias)  # after the product, as the grouped linear adds it
+        return outs
+    return [moe._grouped_linear(x, weight, groups.offsets, bias=_bias(experts, first, groups),
+                                is_transposed=experts.is_transposed) for groups, x in parts]
+
+
+def grouped_fields(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor,
+                   pairs: list[tuple[torch.Tensor, torch.Tensor]] = (), moe: ModuleType | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The unweighted products ``[N, k, d]`` transformers' ``grouped_mm`` experts implementation sums for
+    ``experts(hidden, index, weights)`` (``hidden [N, d]``, ``index [N, k]``), and those of each group of further
+    ``pairs`` ((rows ``[R, d]``, experts ``[R, m]``) -> ``[R, m, d]``), in the products' dtype. ``moe`` is
+    :func:`grouped_implementation`'s answer, found here when not given."""
+    moe = moe if moe is not None else grouped_implementation(experts)
+    if moe is None:
+        raise ValueError(f"{type(experts).__name__} does not run transformers' grouped_mm experts implementation")
+    n_experts = int(experts.num_experts)
+    n, k = index.shape
+    parts = [_Groups(hidden, None, index.reshape(-1), n_experts, per_row=k)]
+    if pairs:
+        starts = itertools.accumulate((len(rows) for rows, _ in pairs[:-1]), initial=0)
+        pair_rows = torch.cat([start + torch.arange(e.numel(), device=e.device) // e.shape[-1]
+                               for start, (_, e) in zip(starts, pairs)])
+        parts.append(_Groups(torch.cat([rows for rows, _ in pairs]), pair_rows,
+                             torch.cat([e.reshape(-1) for _, e in pairs]), n_experts))
+    hidden_parts = _projection(experts, moe, True, [(groups, groups.rows) for groups in parts])
+    hidden_parts = [experts._apply_gate(h) if experts.has_gate else experts.act_fn(h) for h in hidden_parts]
+    outs = _projection(experts, moe, False, list(zip(parts, hidden_parts)))
+    if experts.has_post_expert_norm:
+        outs = [experts.post_expert_norm(out) for out in outs]
+    fields = parts[0].unsort(outs[0]).view(n, k, -1)
+    if not pairs:
+        return fields, []
+    further = torch.split(parts[1].unsort(outs[1]), [e.numel() for _, e in pairs])
+    return fields, [part.view(*e.shape, -1) for part, (_, e) in zip(further, pairs)]
