@@ -109,15 +109,15 @@ def _expert_by_expert(weight: torch.Tensor, transposed: bool, parts: list[tuple[
                       ) -> list[torch.Tensor]:
     """One projection of every part, expert by expert: each expert's product for each part in turn, ``torch.mm`` into
     its group's rows as the CPU's grouped product computes each group (so with the same bits)."""
-    per_expert = weight if transposed else weight.transpose(-2, -1)
+    per_expert = (weight if transposed else weight.transpose(-2, -1)).unbind(0)
     inputs = [x.to(weight.dtype) for _, x in parts]
-    outs = [x.new_empty((x.shape[0], per_expert.shape[-1])) for x in inputs]
-    ends = [[0, *groups.offsets.tolist()] for groups, _ in parts]  # the grouped product reads them on the host too
-    for e in range(per_expert.shape[0]):
-        w = per_expert[e]
-        for bounds, x, out in zip(ends, inputs, outs):
-            if bounds[e] < bounds[e + 1]:
-                torch.mm(x[bounds[e] : bounds[e + 1]], w, out=out[bounds[e] : bounds[e + 1]])
+    outs = [x.new_empty((x.shape[0], per_expert[0].shape[-1])) for x in inputs]
+    counts = [torch.diff(groups.offsets, prepend=groups.offsets.new_zeros(1)).tolist() for groups, _ in parts]
+    groups_of = [list(zip(rows, x.split(rows), out.split(rows))) for rows, x, out in zip(counts, inputs, outs)]
+    for e, w in enumerate(per_expert):  # the grouped product reads its offsets on the host too
+        for rows, x, out in (part[e] for part in groups_of):
+            if rows:
+                torch.mm(x, w, out=out)
     return outs
 
 
