@@ -66,11 +66,12 @@ def grouped_implementation(experts: nn.Module) -> ModuleType | None:
     return moe if all(hasattr(experts, name) for name in needed) else None
 
 
-INTERLEAVE_BYTES = 1 << 18
+INTERLEAVE_BYTES = 1 << 16
 """On the CPU, a projection whose weights are at least this many bytes per expert runs expert by expert with the
 further pairs' product right after the active one (its weights read from memory once); smaller ones run as grouped
-products, one pass each. At 24 routed layers x 128 experts (``benchmarks/RESULTS.md`` (u)) the 32 KiB projections of
-width 64 were slower expert by expert (the loop's own cost) and the 512 KiB ones of width 256 faster."""
+products, one pass each. At 24 routed layers x 128 experts (``benchmarks/RESULTS.md`` (u)) a gate took the same time
+either way at width 64 (32 and 16 KiB per expert), and less expert by expert at widths 128 and 256 (128 and 64 KiB,
+512 and 256 KiB)."""
 
 
 class _Groups:
@@ -87,8 +88,9 @@ class _Groups:
         self.offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
     def unsort(self, out: torch.Tensor) -> torch.Tensor:
-        """The sorted products back in the pairs' own order."""
-        return torch.empty_like(out).index_copy_(0, self.perm, out)
+        """The sorted products back in the pairs' own order (a gather by the inverse sort: faster than a scatter)."""
+        inverse = torch.empty_like(self.perm).scatter_(0, self.perm, torch.arange(len(self.perm), device=out.device))
+        return out.index_select(0, inverse)
 
 
 def _weight(experts: nn.Module, first: bool) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""A gate's cost over the plain forward at two commits, each measured in fresh processes, the processes alternating.
+
+``python benchmarks/gate_fresh_processes.py --before 83fd509 --width 256`` writes
+``benchmarks/gate_fresh_processes_w256.json``: for a freshly initialised Qwen3-MoE (24 routed layers x 128 experts,
+k = 8, float32, ``--width`` wide) over a 32 x 128-token canary in micro-batches of 8 windows, ``--processes`` fresh
+processes of the package at the earlier commit and as many of this tree's, alternating; each builds the model, warms
+up, then times a plain no-grad forward and a gate (no baseline, ``--kernels`` field arithmetic) interleaved
+``--repeats`` times (CPU seconds, one torch thread) and reports the median of each repeat's gate / forward ratio.
+
+Why fresh processes: one process holding both commits' gates (``gate_before_after.py``) leaves each gate the other's
+freed memory, and on a host whose allocator returns freed memory to the system the gates' large temporaries then
+cost more than in a process of their own (``benchmarks/RESULTS.md`` (u)); here every gate runs as an operator's
+would, alone with its model. Results in ``benchmarks/RESULTS.md`` (u).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
+
+
+def tree_at(commit: str, into: Path) -> Path:
+    """The package ``atlas_tracking`` as it was at ``commit``, extracted under ``into`` (the folder to put first on a
+    process's path)."""
+    archive = subprocess.run(["git", "archive", commit, "atlas_tracking"], cwd=HERE.parent, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
+    """One process's measurement: the package on this process's path, its model, warm-up, interleaved passes."""
+    import torch
+
+    import atlas_tracking
+    from atlas_tracking import AtlasConfig, Canary, measure
+    from atlas_tracking.testing.bench import cpu_seconds, plain_forward
+    from atlas_tracking.testing.demo import demo_canary
+    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
+    torch.set_num_threads(1)
+    model = build_qwen3_moe(seed=0, hidden=width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
+    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels, "batch_windows": BATCH}})
+    passes = {"plain": lambda: plain_forward(model, canary, BATCH),
+              "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
+    for run in passes.values():  # the warm-up (and a compile)
+        run()
+    times = cpu_seconds(passes, repeats)
+    ratios = [g / p for g, p in zip(times["gate"], times["plain"])]
+    return {"package": str(Path(atlas_tracking.__file__).parent), "plain_s": statistics.median(times["plain"]),
+            "gate_s": statistics.median(times["gate"]), "paired": statistics.median(ratios),
+            "paired_spread": [min(ratios), max(ratios)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", help="the earlier commit")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--kernels", default="eager", choices=["eager", "compiled"])
+    ap.add_argument("--processes", type=int, default=4, help="fresh processes per commit")
+    ap.add_argument("--repeats", type=int, default=4, help="interleaved passes per process")
+    ap.add_argument("--out", default=None, help="default benchmarks/gate_fresh_processes_w{width}.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.width, args.repeats, args.kernels)))
+        return 0
+    if args.before is None:
+        ap.error("--before is required")
+    roots = {"before": tree_at(args.before, Path(tempfile.mkdtemp())), "after": HERE.parent}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in roots}
+    for _ in range(args.processes):
+        for name, root in roots.items():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+            out = subprocess.run([sys.executable, __file__, "--child", "--width", str(args.width), "--repeats",
+                                  str(args.repeats), "--kernels", args.kernels], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            run = json.loads(out.strip().splitlines()[-1])
+            if not Path(run["package"]).is_relative_to(root):
+                raise RuntimeError(f"the {name} process imported {run['package']}, not the package under {root}")
+            runs[name].append(run)
+    result = {
+        "before": args.before, "width": args.width, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K,
+        "canary_windows": WINDOWS, "batch_windows": BATCH, "kernels": args.kernels, "torch_threads": 1,
+        "processes": args.processes, "repeats": args.repeats,
+        "gate_over_plain": {name: statistics.median(r["paired"] for r in rs) for name, rs in runs.items()},
+        "gate_over_plain_spread": {name: [min(r["paired"] for r in rs), max(r["paired"] for r in rs)]
+                                   for name, rs in runs.items()},
+        "runs": runs,
+    }
+    text = json.dumps(result, indent=1)
+    Path(args.out or HERE / f"gate_fresh_processes_w{args.width}.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
