@@ -17,6 +17,7 @@ from atlas_tracking.adapters.base import find_routed_layers
 from atlas_tracking.adapters.grouped_experts import grouped_fields, grouped_implementation
 from atlas_tracking.adapters.hf import HFLayer
 from atlas_tracking.testing.families import ORIGINAL, family_model
+from atlas_tracking.testing.host_reads import host_reads
 
 FAMILIES = (*ORIGINAL, "aria_text")
 """The first families read, and one whose experts hold transposed weights without a bias (GPT-OSS's have both)."""
@@ -45,8 +46,10 @@ def test_the_fields_sum_to_the_experts_own_output(family, dtype, expert_by_exper
             if name.endswith("_bias"):
                 param.copy_(torch.randn(param.shape) * 0.5)
     x, index, weights, pairs = _inputs(layer, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), host_reads() as reads:
         fields, further = grouped_fields(experts, x, index, pairs)
+    assert reads.total == 0, reads.where  # the expert-by-expert path runs on the CPU only: its sizes are host memory
+    with torch.no_grad():
         own = experts(x, index, weights)
         assert fields.shape == (*index.shape, x.shape[-1]) and fields.dtype == own.dtype
         assert torch.equal((fields * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype), own)
