@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,7 @@ import numpy as np
 import torch
 
 from atlas_tracking import AtlasConfig, Canary, measure
-from atlas_tracking.testing.bench import cpu_seconds, plain_forward, write_result
+from atlas_tracking.testing.bench import cpu_seconds, package_tree_at, plain_forward, write_result
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.host_reads import host_reads
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
@@ -39,11 +36,7 @@ LAYERS, EXPERTS, TOP_K, WINDOWS = 24, 128, 8, 32
 def package_at(commit: str, into: Path) -> Any:
     """``atlas_tracking`` as it was at ``commit``, imported as ``atlas_tracking_<commit>`` from ``into``."""
     name = f"atlas_tracking_{commit}"
-    archive = subprocess.run(["git", "archive", commit, "atlas_tracking"], cwd=HERE.parent, check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    (into / "atlas_tracking").rename(into / name)
+    (package_tree_at(commit, into, HERE.parent) / "atlas_tracking").rename(into / name)
     for path in (into / name).rglob("*.py"):
         path.write_text(path.read_text().replace("atlas_tracking", name))
     spec = importlib.util.spec_from_file_location(name, into / name / "__init__.py",

@@ -21,24 +21,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
-
-
-def tree_at(commit: str, into: Path) -> Path:
-    """The package ``atlas_tracking`` as it was at ``commit``, extracted under ``into`` (the folder to put first on a
-    process's path)."""
-    archive = subprocess.run(["git", "archive", commit, "atlas_tracking"], cwd=HERE.parent, check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
@@ -81,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         ap.error("--before is required")
-    roots = {"before": tree_at(args.before, Path(tempfile.mkdtemp())), "after": HERE.parent}
+    from atlas_tracking.testing.bench import (
+        package_tree_at,  # here, not in a child: it imports an earlier package
+    )
+
+    roots = {"before": package_tree_at(args.before, Path(tempfile.mkdtemp()), HERE.parent), "after": HERE.parent}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in roots}
     for _ in range(args.processes):
         for name, root in roots.items():

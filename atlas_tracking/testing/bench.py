@@ -27,8 +27,11 @@ Example:
 from __future__ import annotations
 
 import json
+import subprocess
+import tarfile
 import time
 from collections.abc import Callable
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +91,13 @@ def plain_forward(model: torch.nn.Module, canary: Any, batch: int) -> None:
         for start in range(0, len(canary.windows), batch):
             ids = torch.as_tensor(canary.windows[start : start + batch], dtype=torch.long, device=device)
             model(input_ids=ids, use_cache=False)
+
+
+def package_tree_at(commit: str, into: Path, repo: Path) -> Path:
+    """The package ``atlas_tracking`` as it was at ``commit`` of the git checkout ``repo``, extracted under ``into``
+    (``into / "atlas_tracking"``): what a benchmark of an earlier commit imports or puts on a process's path."""
+    archive = subprocess.run(["git", "archive", commit, "atlas_tracking"], cwd=repo, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
