@@ -5,7 +5,10 @@
 k = 8, float32, ``--width`` wide) over a 32 x 128-token canary in micro-batches of 8 windows, ``--processes`` fresh
 processes of the package at the earlier commit and as many of this tree's, alternating; each builds the model, warms
 up, then times a plain no-grad forward and a gate (no baseline, ``--kernels`` field arithmetic) interleaved
-``--repeats`` times (CPU seconds, one torch thread) and reports the median of each repeat's gate / forward ratio.
+``--repeats`` times (CPU seconds, one torch thread) and reports the median of each repeat's gate / forward ratio, of
+CPU seconds (``paired``, user and system) and of user seconds alone (``paired_user``), with each pass's median
+system seconds and minor page faults: a host whose allocator returns freed memory to the system makes whichever
+pass finds it gone fault it back, in system time.
 
 Why fresh processes: one process holding both commits' gates (``gate_before_after.py``) leaves each gate the other's
 freed memory, and on a host whose allocator returns freed memory to the system the gates' large temporaries then
@@ -35,7 +38,7 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
 
     import atlas_tracking
     from atlas_tracking import AtlasConfig, Canary, measure
-    from atlas_tracking.testing.bench import cpu_seconds, plain_forward
+    from atlas_tracking.testing.bench import cpu_usage, plain_forward
     from atlas_tracking.testing.demo import demo_canary
     from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -47,11 +50,15 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
     for run in passes.values():  # the warm-up (and a compile)
         run()
-    times = cpu_seconds(passes, repeats)
+    usage = cpu_usage(passes, repeats)
+    times = {name: [u["user"] + u["system"] for u in us] for name, us in usage.items()}
     ratios = [g / p for g, p in zip(times["gate"], times["plain"])]
+    user = [g["user"] / p["user"] for g, p in zip(usage["gate"], usage["plain"])]
     return {"package": str(Path(atlas_tracking.__file__).parent), "plain_s": statistics.median(times["plain"]),
             "gate_s": statistics.median(times["gate"]), "paired": statistics.median(ratios),
-            "paired_spread": [min(ratios), max(ratios)]}
+            "paired_spread": [min(ratios), max(ratios)], "paired_user": statistics.median(user),
+            **{f"{name}_{part}": statistics.median(u[part] for u in usage[name])
+               for name in passes for part in ("system", "faults")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "gate_over_plain": {name: statistics.median(r["paired"] for r in rs) for name, rs in runs.items()},
         "gate_over_plain_spread": {name: [min(r["paired"] for r in rs), max(r["paired"] for r in rs)]
                                    for name, rs in runs.items()},
+        "gate_over_plain_user": {name: statistics.median(r["paired_user"] for r in rs) for name, rs in runs.items()},
         "runs": runs,
     }
     text = json.dumps(result, indent=1)
