@@ -19,6 +19,7 @@ would, alone with its model. Results in ``benchmarks/RESULTS.md`` (u).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -26,10 +27,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
+
+
+def instrument() -> ModuleType:
+    """This tree's ``atlas_tracking/testing/bench.py`` loaded as a module of its own (it imports only torch): every
+    child times the package of its commit with the same instrument, whatever that commit's own copy holds."""
+    spec = importlib.util.spec_from_file_location("gate_fresh_processes_bench",
+                                                  HERE.parent / "atlas_tracking" / "testing" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
@@ -38,7 +51,6 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
 
     import atlas_tracking
     from atlas_tracking import AtlasConfig, Canary, measure
-    from atlas_tracking.testing.bench import cpu_usage, plain_forward
     from atlas_tracking.testing.demo import demo_canary
     from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
@@ -46,11 +58,12 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
     model = build_qwen3_moe(seed=0, hidden=width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
     canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels, "batch_windows": BATCH}})
-    passes = {"plain": lambda: plain_forward(model, canary, BATCH),
+    bench = instrument()
+    passes = {"plain": lambda: bench.plain_forward(model, canary, BATCH),
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
     for run in passes.values():  # the warm-up (and a compile)
         run()
-    usage = cpu_usage(passes, repeats)
+    usage = bench.cpu_usage(passes, repeats)
     times = {name: [u["user"] + u["system"] for u in us] for name, us in usage.items()}
     ratios = [g / p for g, p in zip(times["gate"], times["plain"])]
     user = [g["user"] / p["user"] for g, p in zip(usage["gate"], usage["plain"])]
