@@ -20,11 +20,9 @@ from typing import Any
 
 import torch
 
-from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.adapters import grouped_experts
-from atlas_tracking.testing.bench import cpu_seconds, plain_forward, write_result
-from atlas_tracking.testing.demo import demo_canary
-from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+from atlas_tracking.testing.bench import cpu_seconds, gate_bench_inputs, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
@@ -33,8 +31,7 @@ WAYS = {"expert_by_expert": 0, "grouped": 1 << 62}
 
 
 def one_width(width: int, repeats: int) -> dict[str, Any]:
-    model = build_qwen3_moe(seed=0, hidden=width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
-    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    model, canary = gate_bench_inputs(width, LAYERS, EXPERTS, TOP_K, WINDOWS)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": BATCH}})
 
     def gate(threshold: int) -> Any:

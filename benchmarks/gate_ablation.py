@@ -24,17 +24,19 @@ from typing import Any
 
 import torch
 
-from atlas_tracking import AtlasConfig, Canary, measure
+from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.adapters.hf import HFLayer
 from atlas_tracking.engine import capture, kernels, selfcheck
 from atlas_tracking.engine import measure as measure_module
 from atlas_tracking.receipts.field_chunk import ChunkReceipts
-from atlas_tracking.testing.bench import cpu_usage, plain_forward, write_result
-from atlas_tracking.testing.demo import demo_canary
-from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+from atlas_tracking.testing.bench import cpu_usage, gate_bench_inputs, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
+
+
+_GROUPED_CALL = capture.LayerCapture._grouped_call
+"""The capture's own grouped call, which the ``pairs`` stand-in makes for the active rows alone."""
 
 
 def _active_only(self: capture.LayerCapture, hidden: torch.Tensor, index: torch.Tensor,
@@ -64,7 +66,6 @@ def _summaries_only(layers: list[Any], hosts: list[dict[str, Any]]) -> list[dict
     return [selfcheck.layer_summary(host) for host in hosts]
 
 
-_GROUPED_CALL = capture.LayerCapture._grouped_call
 STAND_INS: dict[str, list[tuple[Any, str, Any]]] = {
     "pairs": [(capture.LayerCapture, "_grouped_call", _active_only)],
     "chunk": [(kernels.ChunkKernels, "__call__", _zero_chunk)],
@@ -98,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="default benchmarks/gate_ablation_w{width}.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = build_qwen3_moe(seed=0, hidden=args.width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K,
-                            aux_coef=0.0).eval()
-    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    model, canary = gate_bench_inputs(args.width, LAYERS, EXPERTS, TOP_K, WINDOWS)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": BATCH}})
 
     def gate(part: str | None) -> None:

@@ -23,11 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from atlas_tracking import AtlasConfig, Canary, measure
-from atlas_tracking.testing.bench import cpu_seconds, package_tree_at, plain_forward, write_result
+from atlas_tracking import AtlasConfig, measure
+from atlas_tracking.testing.bench import (
+    cpu_seconds,
+    gate_bench_inputs,
+    package_tree_at,
+    plain_forward,
+    write_result,
+)
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.host_reads import host_reads
-from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS = 24, 128, 8, 32
@@ -68,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     old = package_at(args.before, Path(tempfile.mkdtemp()))
-    model = build_qwen3_moe(seed=0, hidden=args.width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
-    ids = demo_canary().windows.reshape(-1)
-    canary = Canary.from_token_ids(ids, window=128, n_windows=WINDOWS, seed=0)
-    old_canary = old.Canary.from_token_ids(ids, window=128, n_windows=WINDOWS, seed=0)
+    model, canary = gate_bench_inputs(args.width, LAYERS, EXPERTS, TOP_K, WINDOWS)
+    old_canary = old.Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
     old_cfg = old.AtlasConfig.from_dict({"receipts": {"progress": False}})
     cfgs = {k: AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": k}}) for k in args.kernels}
     passes = {

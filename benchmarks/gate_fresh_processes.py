@@ -50,15 +50,12 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
     import torch
 
     import atlas_tracking
-    from atlas_tracking import AtlasConfig, Canary, measure
-    from atlas_tracking.testing.demo import demo_canary
-    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+    from atlas_tracking import AtlasConfig, measure
 
     torch.set_num_threads(1)
-    model = build_qwen3_moe(seed=0, hidden=width, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
-    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
-    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels, "batch_windows": BATCH}})
     bench = instrument()
+    model, canary = bench.gate_bench_inputs(width, LAYERS, EXPERTS, TOP_K, WINDOWS)
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels, "batch_windows": BATCH}})
     passes = {"plain": lambda: bench.plain_forward(model, canary, BATCH),
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
     for run in passes.values():  # the warm-up (and a compile)

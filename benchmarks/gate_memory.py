@@ -32,9 +32,13 @@ import torch
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.artifacts.tensor_file import TensorFile, nbytes, tensor_meta
-from atlas_tracking.testing.bench import host_rss, plain_forward, reset_host_peak, write_result
-from atlas_tracking.testing.demo import demo_canary
-from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+from atlas_tracking.testing.bench import (
+    gate_bench_inputs,
+    host_rss,
+    plain_forward,
+    reset_host_peak,
+    write_result,
+)
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, WIDTH, TOP_K, WINDOWS = 24, 128, 64, 8, 32
@@ -42,8 +46,7 @@ CASES = ("gate", "making_baseline", "reading_baseline")
 
 
 def _model_and_canary() -> tuple[torch.nn.Module, Canary]:
-    model = build_qwen3_moe(seed=0, hidden=WIDTH, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, aux_coef=0.0).eval()
-    return model, Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    return gate_bench_inputs(WIDTH, LAYERS, EXPERTS, TOP_K, WINDOWS)
 
 
 def _layer_bytes(path: Path) -> dict[str, int]:

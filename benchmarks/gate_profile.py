@@ -25,11 +25,9 @@ from typing import Any
 
 import torch
 
-from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking import AtlasConfig, Baseline, measure
 from atlas_tracking.engine.kernels import PROCESS_KERNELS
-from atlas_tracking.testing.bench import cpu_seconds, plain_forward, write_result
-from atlas_tracking.testing.demo import demo_canary
-from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+from atlas_tracking.testing.bench import cpu_seconds, gate_bench_inputs, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {
@@ -55,8 +53,7 @@ def top_costs(run: Any, n: int) -> list[tuple[str, int, float]]:
 
 def one_shape(layers: int, experts: int, repeats: int, profile_top: int, width: int = WIDTH,
               kernels: str = "auto") -> dict[str, Any]:
-    model = build_qwen3_moe(seed=0, hidden=width, layers=layers, experts=experts, top_k=TOP_K, aux_coef=0.0).eval()
-    canary = Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
+    model, canary = gate_bench_inputs(width, layers, experts, TOP_K, WINDOWS)
     cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels}})
     base = Baseline.from_report(measure(model, canary, config=cfg))
     passes = {

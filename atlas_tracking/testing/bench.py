@@ -38,16 +38,22 @@ from typing import Any
 import torch
 
 
+def _interleaved(passes: dict[str, Callable[[], Any]], repeats: int, read: Callable[[], Any],
+                 spent: Callable[[Any, Any], Any]) -> dict[str, list[Any]]:
+    """``spent(before, after)`` of ``read()`` around each pass, ``repeats`` times, the passes interleaved."""
+    out: dict[str, list[Any]] = {name: [] for name in passes}
+    for _ in range(repeats):
+        for name, run in passes.items():
+            before = read()
+            run()
+            out[name].append(spent(before, read()))
+    return out
+
+
 def seconds(passes: dict[str, Callable[[], Any]], repeats: int,
             clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds of each pass on ``clock`` (default wall time), ``repeats`` times, the passes interleaved."""
-    times: dict[str, list[float]] = {name: [] for name in passes}
-    for _ in range(repeats):
-        for name, run in passes.items():
-            t0 = clock()
-            run()
-            times[name].append(clock() - t0)
-    return times
+    return _interleaved(passes, repeats, clock, lambda t0, t1: t1 - t0)
 
 
 def cpu_seconds(passes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
@@ -70,14 +76,22 @@ def cpu_usage(passes: dict[str, Callable[[], Any]], repeats: int) -> dict[str, l
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime, r.ru_stime, r.ru_minflt
 
-    usage: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
-    for _ in range(repeats):
-        for name, run in passes.items():
-            before = now()
-            run()
-            after = now()
-            usage[name].append(dict(zip(("user", "system", "faults"), (b - a for a, b in zip(before, after)))))
-    return usage
+    return _interleaved(passes, repeats, now, lambda before, after: dict(
+        zip(("user", "system", "faults"), (b - a for a, b in zip(before, after)))))
+
+
+def gate_bench_inputs(width: int, layers: int = 24, experts: int = 128, top_k: int = 8,
+                      windows: int = 32) -> tuple[torch.nn.Module, Any]:
+    """The model and canary the gate-cost benchmarks measure: a freshly initialised Qwen3-MoE (seed 0, ``layers``
+    routed layers x ``experts``, top-``top_k``, ``width`` wide, no load-balancing loss) in eval mode, and a
+    ``windows`` x 128-token canary of the demo text. The package is imported here, when called: a benchmark that loads
+    this module by its path (``gate_fresh_processes.py``) builds them with the package on its process's path."""
+    from atlas_tracking import Canary
+    from atlas_tracking.testing.demo import demo_canary
+    from atlas_tracking.testing.lightning_lm import build_qwen3_moe
+
+    model = build_qwen3_moe(seed=0, hidden=width, layers=layers, experts=experts, top_k=top_k, aux_coef=0.0).eval()
+    return model, Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=windows, seed=0)
 
 
 def write_result(result: dict[str, Any], out: str | Path) -> None:
