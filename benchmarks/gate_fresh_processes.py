@@ -13,7 +13,7 @@ pass finds it gone fault it back, in system time.
 Why fresh processes: one process holding both commits' gates (``gate_before_after.py``) leaves each gate the other's
 freed memory, and on a host whose allocator returns freed memory to the system the gates' large temporaries then
 cost more than in a process of their own (``benchmarks/RESULTS.md`` (u)); here every gate runs as an operator's
-would, alone with its model. Results in ``benchmarks/RESULTS.md`` (u).
+would, alone with its model. Results in ``benchmarks/RESULTS.md`` (u), with user seconds and page faults in (v).
 """
 
 from __future__ import annotations
