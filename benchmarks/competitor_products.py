@@ -8,10 +8,12 @@ experts' own weights, the matrix products a gate runs for them on a CPU (``adapt
 its ways: one ``torch.mm`` per expert and projection (``expert_by_expert``, the gate's way at widths of 128 and more
 here) and two grouped products per layer and micro-batch, transformers' ``_grouped_linear`` (``grouped``, its way at
 width 64), the activation between them replaced by a copy of the same size. Each way for the active rows (the model's
-own: the forward runs them too) and for the adjacent competitors' rows, one row per token. Random rows of the right
-shapes: a product's time depends on its shape only. One torch thread, user seconds, the passes interleaved, the median
-of ``--repeats``; ``rows_share`` is the competitors' rows over the active rows (1 / k), ``time_share`` their products'
-time over the active products', per way. Also each projection's microseconds per row of one product of ``M`` rows, for
+own: the forward runs them too) and for the adjacent competitors' rows, one row per token. And the competitors' rows
+pooled over each layer's micro-batches (``competitors_pooled``: one product per expert and layer, as if a gate held
+them until the layer's last micro-batch). Random rows of the right shapes: a product's time depends on its shape only.
+One torch thread, user seconds, the passes interleaved, the median of ``--repeats``; ``rows_share`` is the
+competitors' rows over the active rows (1 / k), ``time_share`` the competitors' (and the pooled ones') products' time
+over the active products', per way. Also each projection's microseconds per row of one product of ``M`` rows, for
 ``M`` from 1 to 128, and how the competitors' rows fall into products of each size. The gate's random competitors (a
 tenth of the tokens) and the self-check's sample (16 tokens a layer) are left out. Results in
 ``benchmarks/RESULTS.md`` (w).
@@ -78,6 +80,16 @@ def per_expert(experts: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], tupl
     return pick(experts.gate_up_proj).unbind(0), pick(experts.down_proj).unbind(0)
 
 
+def pooled(counts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """``counts`` summed over each routed layer's micro-batches: one product per expert and layer, not per micro-batch.
+
+    >>> pooled([(0, torch.tensor([1, 0])), (1, torch.tensor([2, 2])), (0, torch.tensor([3, 1]))])
+    [(0, tensor([4, 1])), (1, tensor([2, 2]))]
+    """
+    layers = sorted({layer for layer, _ in counts})
+    return [(layer, sum(c for i, c in counts if i == layer)) for layer in layers]
+
+
 def expert_by_expert(layers: list[torch.nn.Module], counts: list[tuple[int, torch.Tensor]], width: int) -> None:
     """Every expert's two products for ``counts`` rows, one ``torch.mm`` each, in each routed layer and micro-batch
     (the gate's way where an expert's weights are at least ``INTERLEAVE_BYTES``: widths of 128 and more here)."""
@@ -138,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     seen = routed_counts(model, canary, BATCH)
     layers = experts_modules(model)
     rows = {"active": [(layer, a) for layer, a, _ in seen], "competitors": [(layer, c) for layer, _, c in seen]}
+    rows["competitors_pooled"] = pooled(rows["competitors"])
     passes = {f"{part}_{name}": (lambda way=way, part=part: way(layers, rows[part], args.width))
               for name, way in WAYS.items() for part in rows}
     for run in passes.values():  # the warm-up
         run()
     user = {name: [u["user"] for u in us] for name, us in cpu_usage(passes, args.repeats).items()}
-    shares = {name: [c / a for a, c in zip(user[f"active_{name}"], user[f"competitors_{name}"])] for name in WAYS}
+    shares = {f"{part}_{name}": [c / a for a, c in zip(user[f"active_{name}"], user[f"{part}_{name}"])]
+              for name in WAYS for part in ("competitors", "competitors_pooled")}
     adjacent = rows["competitors"]
     sizes = torch.stack([c for _, c in adjacent]).reshape(-1)
     rows_in = {f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+": int(sizes[(sizes >= lo) & (sizes <= hi)].sum())
