@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from atlas_tracking.receipts.state1 import set_margin
-from atlas_tracking.testing.bench import cpu_usage, gate_bench_inputs, write_result
+from atlas_tracking.testing.bench import cpu_usage, gate_bench_inputs, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
@@ -56,10 +56,7 @@ def routed_counts(model: torch.nn.Module, canary: Any, batch: int) -> list[tuple
 
     handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
     try:
-        with torch.no_grad():
-            for start in range(0, len(canary.windows), batch):
-                model(input_ids=torch.as_tensor(canary.windows[start : start + batch], dtype=torch.long),
-                      use_cache=False)
+        plain_forward(model, canary, batch)
     finally:
         for h in handles:
             h.remove()
