@@ -7,7 +7,7 @@ base damage since the handoff's base beside the damage since its baseline; the s
 loss while C2, dead experts, entropy and CV degrade, revokes with a WARN and never reads clean again, and
 escalates only as Table 13 says; the intervention branches from the stressed run's first gate on alert or
 beyond and the judge's verdict (whatever it is) is printed and agrees with the command line's. Seed 0 runs
-with the trackers and the report; two more seeds run bare, side by side (one torch thread each).
+with the trackers and the report; two more seeds run bare, all three side by side (one torch thread each).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _start(out: Path, *args: str) -> subprocess.Popen:
 
 def _finish(proc: subprocess.Popen, out: Path) -> Path:
     try:
-        proc.wait(timeout=1500)
+        proc.wait(timeout=2400)  # three demos share the cores: seed 0 alone took 10 minutes
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -45,17 +45,31 @@ def _finish(proc: subprocess.Popen, out: Path) -> Path:
     return out
 
 
-def _demo(out: Path, *args: str) -> Path:
-    return _finish(_start(out, *args), out)
-
-
 def _records(out: Path, run: str) -> list[dict]:
     return [json.loads(x) for x in (out / run / "atlas" / "gates.jsonl").read_text().splitlines()]
 
 
+OTHER_SEEDS = (6, 7)
+
+
 @pytest.fixture(scope="module")
-def demo_out(tmp_path_factory) -> Path:
-    return _demo(tmp_path_factory.mktemp("demo"))
+def demos(tmp_path_factory) -> dict[int, tuple[subprocess.Popen, Path]]:
+    """The demo at seed 0 with the trackers and the report, and bare at every other seed, all started at once when
+    the first is asked for: each runs on one torch thread, so they share the machine's cores instead of waiting for
+    one another (seed 0 alone left one of two cores idle for its whole run)."""
+    outs = {0: tmp_path_factory.mktemp("demo")} | {seed: tmp_path_factory.mktemp(f"demo_seed{seed}")
+                                                    for seed in OTHER_SEEDS}
+    runs = {seed: (_start(out, *(("--seed", str(seed), "--no-trackers", "--no-extras") if seed else ())), out)
+            for seed, out in outs.items()}
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def demo_out(demos) -> Path:
+    return _finish(*demos[0])
 
 
 def stage_alerts(recs: list[dict]) -> list[str]:
@@ -250,25 +264,10 @@ def test_bounded_kl_to_the_base_is_within_ten_percent_below_the_exact_one_on_the
                 assert r["kl_base"] >= 0 and isinstance(r["canary_nll_delta"], float), (run, r["step"])
 
 
-OTHER_SEEDS = (6, 7)
-
-
-@pytest.fixture(scope="module")
-def other_seeds(tmp_path_factory) -> dict[int, tuple[subprocess.Popen, Path]]:
-    """The bare demo at every other seed, all started at once when the first is asked for (each runs on one torch
-    thread, so they share the machine's cores instead of waiting for one another)."""
-    outs = {seed: tmp_path_factory.mktemp(f"demo_seed{seed}") for seed in OTHER_SEEDS}
-    runs = {seed: (_start(out, "--seed", str(seed), "--no-trackers", "--no-extras"), out) for seed, out in outs.items()}
-    yield runs
-    for proc, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", OTHER_SEEDS)
-def test_other_seeds_read_the_same(seed, other_seeds):
-    out = _finish(*other_seeds[seed])
+def test_other_seeds_read_the_same(seed, demos):
+    out = _finish(*demos[seed])
     check_pretraining(out)
     check_control(out)
     check_stressed(out)
