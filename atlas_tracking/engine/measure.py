@@ -56,6 +56,7 @@ from atlas_tracking.engine.coupling import (
     window_entry,
 )
 from atlas_tracking.engine.free_memory import free_bytes
+from atlas_tracking.engine.kernels import PROCESS_KERNELS
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.engine.transfer import read_back
@@ -272,6 +273,7 @@ def measure_partial(
     host = read_back(device_part)
     return {
         "owned": owned,
+        "kernels_fallback": PROCESS_KERNELS.fallback,  # why this process computes its field arithmetic eagerly
         "layers": [cap.acc.from_host(h) for cap, h in zip(captures, host["layers"])],
         **{f"{name}_{part}": None if host[name] is None else t.numpy()
            for name in ("nll", "kl", "klc") for part, t in zip(("sum", "count"), host[name] or (None, None))},
@@ -330,7 +332,7 @@ def build_report(
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
     _check_finite(layers, merged)
-    checks = check_layers(layers, merged)
+    checks = check_layers(layers, merged, owned, [p.get("kernels_fallback") for p in partials])
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
     meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
              "selfcheck": check}

@@ -210,12 +210,37 @@ class SelfCheck:
         return sampled[0].dtype
 
 
-def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
+def fallback_reason(kernels: np.ndarray, owned: list[np.ndarray], fallbacks: list[str | None]) -> str | None:
+    """Why a layer's field arithmetic ran eagerly where a compile had failed, from every process of the gate:
+    ``kernels`` the layer's merged per-window paths (codes of ``engine/kernels.py``'s ``KERNEL_PATHS``), ``owned``
+    each process's windows, ``fallbacks`` each process's reason (None where none failed). One process: its reason;
+    several: ``rank r: reason`` for each process whose windows ran eagerly after a failure, joined by ``; ``. None
+    where no such process is.
+
+    >>> paths, owned = np.array([0, 0, 1, 1]), [np.array([0, 1]), np.array([2, 3])]   # rank 0 eager, rank 1 compiled
+    >>> fallback_reason(paths, owned, ["RuntimeError: no compiler", None])
+    'rank 0: RuntimeError: no compiler'
+    >>> fallback_reason(paths, owned, [None, "RuntimeError: no compiler"]) is None    # rank 1 compiled all the same
+    True
+    >>> fallback_reason(paths[:2], owned[:1], ["RuntimeError: no compiler"])
+    'RuntimeError: no compiler'
+    """
+    eager = KERNEL_PATHS.index("eager")
+    ran = [(rank, why) for rank, (own, why) in enumerate(zip(owned, fallbacks))
+           if why is not None and np.any(np.asarray(kernels)[own] == eager)]
+    if not ran:
+        return None
+    return ran[0][1] if len(fallbacks) == 1 else "; ".join(f"rank {rank}: {why}" for rank, why in ran)
+
+
+def layer_summary(host: dict[str, Any], owned: list[np.ndarray] | None = None,
+                  fallbacks: list[str | None] | None = None) -> dict[str, Any]:
     """One layer's worst error per check over the canary (None where not measured), the tolerance, the
     share of tokens whose model choice is not a top-k of the adapter's scores, how the layer's output
     came about in the gate (``layer_output``: the paths of ``engine/combine.py`` joined by ``+``) and how its field
-    arithmetic ran (``kernels``: the paths of ``engine/kernels.py`` joined by ``+``, with ``kernels_fallback``, why
-    this process runs it eagerly, where a compile failed)."""
+    arithmetic ran (``kernels``: the paths of ``engine/kernels.py`` joined by ``+``, with ``kernels_fallback``,
+    :func:`fallback_reason`, where a process computed it eagerly because a compile failed). ``owned`` and
+    ``fallbacks``: each process's windows and compile failure (default: this process alone, its own failure)."""
     errs = np.asarray(host["selfcheck"], dtype=np.float64)
     summary: dict[str, Any] = {}
     for j, name in enumerate(CHECKS):
@@ -225,17 +250,22 @@ def layer_summary(host: dict[str, Any]) -> dict[str, Any]:
     summary["tolerance"] = float(np.nanmax(tol)) if np.isfinite(tol).any() else None
     summary["rank_violation_share"] = float(np.sum(host["rank_violations"])) / max(1, np.asarray(host["margin"]).size)
     summary["layer_output"] = "+".join(PATHS[c] for c in np.unique(np.asarray(host["layer_output"])))
-    summary["kernels"] = "+".join(KERNEL_PATHS[c] for c in np.unique(np.asarray(host["kernels"])))
-    if PROCESS_KERNELS.fallback is not None and "eager" in summary["kernels"]:
-        summary["kernels_fallback"] = PROCESS_KERNELS.fallback
+    kernels = np.asarray(host["kernels"])
+    summary["kernels"] = "+".join(KERNEL_PATHS[c] for c in np.unique(kernels))
+    reason = fallback_reason(kernels, owned or [np.arange(len(kernels))],
+                             fallbacks if fallbacks is not None else [PROCESS_KERNELS.fallback])
+    if reason is not None:
+        summary["kernels_fallback"] = reason
     return summary
 
 
-def check_layers(layers: list[Any], hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every layer's self-check summary; raises :class:`AdapterCheckError` naming each layer beyond tolerance."""
+def check_layers(layers: list[Any], hosts: list[dict[str, Any]], owned: list[np.ndarray] | None = None,
+                 fallbacks: list[str | None] | None = None) -> list[dict[str, Any]]:
+    """Every layer's self-check summary (``owned``, ``fallbacks``: as :func:`layer_summary`'s); raises
+    :class:`AdapterCheckError` naming each layer beyond tolerance."""
     summaries, problems = [], []
     for layer, host in zip(layers, hosts):
-        s = layer_summary(host)
+        s = layer_summary(host, owned, fallbacks)
         summaries.append(s)
         tol = s["tolerance"] if s["tolerance"] is not None else TOLERANCE[torch.float32]
         for name in CHECKS:

@@ -146,6 +146,20 @@ def family_replicated(rank: int, world: int, name: str, overrides: dict[str, Any
     return {"gate0": json.loads(gate0.to_json()), "gate1": json.loads(gate1.to_json())}
 
 
+def kernels_fallback(rank: int, world: int, failed: list[list[int]]) -> list[list[dict[str, Any]]]:
+    """Gates of :func:`qwen3_moe` on every process, as under DDP, one for each list of ``failed``: the processes
+    whose compile of the field arithmetic failed before it (their ``ChunkKernels.fallback`` set); each gate's layers'
+    self-checks."""
+    from atlas_tracking.engine.kernels import PROCESS_KERNELS
+
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "n_bootstrap": 20, "batch_windows": 2}})
+    checks = []
+    for ranks in failed:
+        PROCESS_KERNELS.fallback = f"RuntimeError: no C++ compiler on rank {rank}" if rank in ranks else None
+        checks.append([layer["selfcheck"] for layer in measure(qwen3_moe(), canary(), config=cfg).to_dict()["layers"]])
+    return checks
+
+
 # --- DeepSpeed AutoEP -----------------------------------------------------------------------------
 
 def qwen3_moe(perturb: float = 0.0, experts: int = 8, d: int = 32) -> nn.Module:

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+import atlas_tracking.testing.parallel_models as pm
 from atlas_tracking import AtlasConfig, Canary, measure
 from atlas_tracking.artifacts.gate_report import verify
 from atlas_tracking.engine import kernels
 from atlas_tracking.engine.kernels import PROCESS_KERNELS, ChunkKernels
 from atlas_tracking.receipts.field_chunk import chunk_receipts
+from atlas_tracking.testing.distributed import run_workers
 from atlas_tracking.testing.families import family_model
 from atlas_tracking.testing.numpy_reference import c2_loop
 
@@ -126,6 +128,19 @@ def test_a_failed_compile_falls_back_to_eager(monkeypatch, caplog, where):
         assert lay["selfcheck"]["kernels_fallback"] == "RuntimeError: no inductor here"
     assert sum("computes it eagerly" in r.getMessage() for r in caplog.records) == 1  # once per process
     assert data["per_window"] == gate("eager")["per_window"]  # the eager numbers
+
+
+def test_every_process_that_fell_back_is_named_in_the_record():
+    """Two processes as under DDP: the record's self-check names the compile failure of each process that computed
+    its windows eagerly because of it, not only the reporting process's, and the same on every process."""
+    failed = [[1], [0, 1], []]
+    per_rank = run_workers(pm.kernels_fallback, 2, failed, timeout=300)
+    assert per_rank[0] == per_rank[1]
+    reason = "RuntimeError: no C++ compiler on rank {}".format
+    for ranks, layers in zip(failed, per_rank[0]):
+        assert all(lay["kernels"] == "eager" for lay in layers)
+        want = "; ".join(f"rank {r}: {reason(r)}" for r in ranks) or None
+        assert [lay.get("kernels_fallback") for lay in layers] == [want] * len(layers), ranks
 
 
 def close(got, want, path: str = "") -> None:
