@@ -39,6 +39,9 @@ bench: $(STAMP)
 # (benchmarks/gpu_check.json; benchmarks/gpu_check.py says what each section measures). It runs with that machine's
 # own python3 and its CUDA torch, not .venv (whose pinned torch is the CPU wheel): the project is installed there
 # (editable, without dependencies), after the wheels in .whl/ if there are any, for a machine without a registry.
+# Before and after in one call: `python benchmarks/gpu_check.py --prepare-before COMMIT` here (it reads the git
+# history) writes build/gpu_before/atlas_tracking_COMMIT; carry build/gpu_before and pass
+# GPU_ARGS="--before build/gpu_before/atlas_tracking_COMMIT" (the realistic section times both gates).
 GPU_OUT ?= benchmarks/gpu_check.json
 GPU_ARGS ?=
 GPU_WHEELS := transformers tokenizers megatron-core threadpoolctl

@@ -13,9 +13,7 @@ and the receipts' largest difference between the two commits. One torch thread.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,9 @@ from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.testing.bench import (
     cpu_seconds,
     gate_bench_inputs,
-    package_tree_at,
+    import_renamed,
     plain_forward,
+    renamed_package_at,
     write_result,
 )
 from atlas_tracking.testing.demo import demo_canary
@@ -36,20 +35,6 @@ from atlas_tracking.testing.host_reads import host_reads
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS = 24, 128, 8, 32
-
-
-def package_at(commit: str, into: Path) -> Any:
-    """``atlas_tracking`` as it was at ``commit``, imported as ``atlas_tracking_<commit>`` from ``into``."""
-    name = f"atlas_tracking_{commit}"
-    (package_tree_at(commit, into, HERE.parent) / "atlas_tracking").rename(into / name)
-    for path in (into / name).rglob("*.py"):
-        path.write_text(path.read_text().replace("atlas_tracking", name))
-    spec = importlib.util.spec_from_file_location(name, into / name / "__init__.py",
-                                                  submodule_search_locations=[str(into / name)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its own imports of name.* resolve from here
-    spec.loader.exec_module(module)
-    return module
 
 
 def receipts_gap(a: Any, b: Any) -> float:
@@ -72,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE / "gate_before_after.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    old = package_at(args.before, Path(tempfile.mkdtemp()))
+    old = import_renamed(renamed_package_at(args.before, Path(tempfile.mkdtemp()), HERE.parent))
     model, canary = gate_bench_inputs(args.width, LAYERS, EXPERTS, TOP_K, WINDOWS)
     old_canary = old.Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=WINDOWS, seed=0)
     old_cfg = old.AtlasConfig.from_dict({"receipts": {"progress": False}})

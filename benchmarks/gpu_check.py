@@ -12,13 +12,21 @@ runs out of time is recorded as such, and the next one runs):
   layers, bf16, a 64 x 1024-token canary: gate / plain no-grad forward (the default field kernels, and on CUDA the
   eager ones beside them, ``receipts.kernels``), the path each layer took, peak memory ratio, host synchronisations
   per gate and the source lines that make them (``torch.cuda.set_sync_debug_mode``), gate seconds against canary tokens, and the training overhead at
-  one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out);
+  one gate per 1000 steps of a forward + backward over 8 x 1024 tokens (the optimizer step left out); with
+  ``--before DIR``, the gate of an earlier commit's package beside this tree's in the same process (its ratio, and on
+  CUDA its peak memory, host synchronisations and training overhead), for before and after on one machine in one
+  call;
 - ``profile``: ``torch.profiler``'s top operators of one gate at E = 128 (16 x 1024 tokens), device and host time;
 - ``scale``: the DeepSeek-V3 layout at its real width (7168; tiny attention and 16-wide experts, so the layer
   stack fits): bytes of a baseline and per gate, gate seconds (``benchmarks/scale.py``'s gate sequence).
 
 Example (a CPU machine runs the smoke sizes, to check the script itself):
     python benchmarks/gpu_check.py --out /tmp/gpu_check.json --smoke
+
+An earlier commit for ``--before``: ``python benchmarks/gpu_check.py --prepare-before dae42a0`` writes its package,
+renamed ``atlas_tracking_dae42a0``, under ``build/gpu_before/`` (from this checkout's git history; an ignored folder,
+so a device run names it among the paths it carries), then on the GPU machine
+``make gpu-check GPU_ARGS="--before build/gpu_before/atlas_tracking_dae42a0"``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import importlib.util
 import json
 import platform
 import runpy
+import shutil
 import statistics
 import subprocess
 import sys
@@ -178,9 +187,22 @@ def model_shape(spec: dict[str, Any], experts: int) -> dict[str, Any]:
     return {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": experts}
 
 
-def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
-    """Gate against a plain forward at realistic width, one row per expert count."""
+def _cuda_peak(fn) -> int:
+    """Bytes ``fn`` allocates at its peak on the current CUDA device beyond what was allocated before it (after a
+    first call, so that nothing it keeps is counted)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def section_realistic(limit: float, smoke: bool, before: str | None = None) -> dict[str, Any]:
+    """Gate against a plain forward at realistic width, one row per expert count; with ``before`` (a renamed
+    package's folder, ``--prepare-before``) that package's gate beside this tree's."""
     from atlas_tracking import AtlasConfig, measure
+    from atlas_tracking.testing.bench import import_renamed
 
     bench = sibling("run")
 
@@ -190,6 +212,10 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
     eager = AtlasConfig.from_dict({"receipts": {**bench.QUIET["receipts"], "kernels": "eager"}})
     window = spec["window"]
     canary = bench.demo_canary(n_windows=spec["windows"], window=window)
+    old = None if before is None else import_renamed(Path(before))
+    if old is not None:
+        old_cfg = old.AtlasConfig.from_dict(bench.QUIET)
+        old_canary = old.Canary(windows=canary.windows, offsets=canary.offsets, seed=canary.seed)
     deadline = time.perf_counter() + limit
     rows = []
     for e in spec["experts"]:
@@ -201,14 +227,22 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
         passes = {"plain": lambda m=model: bench.plain_forward(m, canary, 8), "gate": gate}
         if device == "cuda":  # the field arithmetic eager beside the default (compiled) path, in the same call
             passes["gate_eager"] = lambda m=model, c=canary: measure(m, c, config=eager, keep_anchors=False)
+        if old is not None:
+            passes["gate_before"] = lambda m=model: old.measure(m, old_canary, config=old_cfg, keep_anchors=False)
         t = bench.interleaved(passes, 3)
         row: dict[str, Any] = {"experts": e, **t, "ratio": t["gate"] / t["plain"],
                                "kernels": sorted({lay["selfcheck"]["kernels"] for lay in gate().layers})}
+        if old is not None:
+            row["ratio_before"] = t["gate_before"] / t["plain"]
         if device == "cuda":
             row["ratio_eager"] = t["gate_eager"] / t["plain"]
             row["peak_memory"] = bench.peak_memory(model, canary)
             row["host_syncs_per_gate"], row["host_syncs_where"] = _syncs(gate)
             row["host_syncs_per_plain_forward"], _ = _syncs(lambda m=model: bench.plain_forward(m, canary, 8))
+            if old is not None:
+                peak = _cuda_peak(passes["gate_before"])
+                row["peak_memory_before"] = {"gate": peak, "ratio": peak / max(row["peak_memory"]["plain_forward"], 1)}
+                row["host_syncs_per_gate_before"], row["host_syncs_where_before"] = _syncs(passes["gate_before"])
         if e == spec["experts"][len(spec["experts"]) // 2]:
             scaling = []
             for n in (8, 16, 32, spec["windows"]) if not smoke else (2, 4, 8):
@@ -223,12 +257,14 @@ def section_realistic(limit: float, smoke: bool) -> dict[str, Any]:
                 model.eval()
                 row["training_overhead_one_gate_per_1000_steps"] = {
                     "train_step_seconds": step, "tokens_per_step": 8 * window,
-                    "fraction": t["gate"] / (1000 * step)}
+                    "fraction": t["gate"] / (1000 * step),
+                    **({"fraction_before": t["gate_before"] / (1000 * step)} if old is not None else {})}
         rows.append(row)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {**{k: v for k, v in spec.items() if k != "experts"}, "canary_tokens": canary.n_tokens, "rows": rows}
+    return {**{k: v for k, v in spec.items() if k != "experts"}, "canary_tokens": canary.n_tokens,
+            **({"before": Path(before).name} if before else {}), "rows": rows}
 
 
 def section_profile(limit: float, smoke: bool) -> dict[str, Any]:
@@ -282,11 +318,14 @@ RUNNERS = {"tests": section_tests, "megatron": section_megatron, "realistic": se
            "profile": section_profile, "scale": section_scale}
 
 
-def run_section(name: str, limit: float, smoke: bool) -> dict[str, Any]:
-    """One section in a fresh process, given ``limit`` seconds; its JSON, or what stopped it."""
+def run_section(name: str, limit: float, smoke: bool, before: str | None = None) -> dict[str, Any]:
+    """One section in a fresh process, given ``limit`` seconds (``before``: for the realistic section); its JSON, or
+    what stopped it."""
     with tempfile.TemporaryDirectory() as d:
         part = Path(d) / "part.json"
         cmd = [sys.executable, str(Path(__file__)), "--section", name, "--out", str(part), "--limit", str(limit)]
+        if before and name == "realistic":
+            cmd += ["--before", before]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd + (["--smoke"] if smoke else []), cwd=ROOT, capture_output=True, text=True,
@@ -304,17 +343,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--budget", type=float, default=sum(LIMITS.values()), help="seconds for all sections")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script itself, on any machine")
+    parser.add_argument("--before", help="an earlier commit's renamed package (--prepare-before), timed beside this "
+                        "tree's gate in the realistic section")
+    parser.add_argument("--prepare-before", metavar="COMMIT", help="write COMMIT's renamed package under --into, then "
+                        "stop (needs this checkout's git history)")
+    parser.add_argument("--into", default=str(ROOT / "build" / "gpu_before"))
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.prepare_before:
+        from atlas_tracking.testing.bench import renamed_package_at
+
+        into = Path(args.into)
+        shutil.rmtree(into / f"atlas_tracking_{args.prepare_before}", ignore_errors=True)
+        into.mkdir(parents=True, exist_ok=True)
+        print(renamed_package_at(args.prepare_before, into, ROOT))
+        return 0
+    if args.before and not (Path(args.before) / "__init__.py").is_file():
+        parser.error(f"--before {args.before}: no package there (make one with --prepare-before COMMIT)")
     if args.section:
-        Path(args.out).write_text(json.dumps(RUNNERS[args.section](args.limit, args.smoke), indent=1))
+        extra = {"before": args.before} if args.section == "realistic" and args.before else {}
+        Path(args.out).write_text(json.dumps(RUNNERS[args.section](args.limit, args.smoke, **extra), indent=1))
         return 0
     scale_down = min(1.0, args.budget / sum(LIMITS[s] for s in args.only))
     result: dict[str, Any] = {"environment": environment(), "smoke": args.smoke}
     for name in args.only:
         print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
-        result[name] = run_section(name, LIMITS[name] * scale_down, args.smoke)
+        result[name] = run_section(name, LIMITS[name] * scale_down, args.smoke, args.before)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     failed = [n for n in args.only if "error" in result[n] or result[n].get("returncode", 0) != 0]
     print(f"gpu-check: wrote {args.out}; sections with a failure: {failed or 'none'}", file=sys.stderr)

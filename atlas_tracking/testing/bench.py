@@ -26,13 +26,16 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -140,3 +143,29 @@ def package_tree_at(commit: str, into: Path, repo: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
     return into
+
+
+def renamed_package_at(commit: str, into: Path, repo: Path) -> Path:
+    """The package at ``commit`` of ``repo`` renamed ``atlas_tracking_<commit>``, its own imports with it, under
+    ``into``; returns its folder, which :func:`import_renamed` imports beside this tree's package (also on a machine
+    that has the folder and not the git history)."""
+    return rename_package(package_tree_at(commit, into, repo) / "atlas_tracking", f"atlas_tracking_{commit}")
+
+
+def rename_package(package: Path, name: str) -> Path:
+    """The package folder ``package`` (a copy of ``atlas_tracking``) renamed ``name`` beside where it is, its own
+    imports with it; returns the new folder."""
+    tree = package.rename(package.parent / name)
+    for path in tree.rglob("*.py"):
+        path.write_text(path.read_text().replace("atlas_tracking", name))
+    return tree
+
+
+def import_renamed(tree: Path) -> ModuleType:
+    """The renamed package in the folder ``tree`` (:func:`renamed_package_at`), imported under its folder's name."""
+    name = tree.name
+    spec = importlib.util.spec_from_file_location(name, tree / "__init__.py", submodule_search_locations=[str(tree)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its own imports of name.* resolve from here
+    spec.loader.exec_module(module)
+    return module

@@ -5,8 +5,15 @@ properties (what the GPU run's JSON reports of the tests marked ``gpu``)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+import atlas_tracking
+from atlas_tracking.testing.bench import rename_package
 
 
 def test_junit_outcomes_and_properties_are_read_back(script, tmp_path):
@@ -29,12 +36,23 @@ def test_junit_outcomes_and_properties_are_read_back(script, tmp_path):
 
 
 def test_smoke_sections_run_and_write_one_json(script, tmp_path):
+    """The smoke sizes, with a copy of this package renamed as an earlier commit's is (``--prepare-before``) timed
+    beside this tree's gate."""
     gpu_check = script("benchmarks/gpu_check.py")
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--smoke", "--only", "realistic", "profile", "--out", str(out)]) == 0
+    before = rename_package(shutil.copytree(Path(atlas_tracking.__file__).parent, tmp_path / "atlas_tracking",
+                                            ignore=shutil.ignore_patterns("__pycache__")), "atlas_tracking_earlier")
+    assert gpu_check.main(["--smoke", "--only", "realistic", "profile", "--out", str(out), "--before", str(before)]) == 0
     result = json.loads(out.read_text())
     assert result["smoke"] is True and result["environment"]["device"] == "cpu"
+    assert result["realistic"]["before"] == "atlas_tracking_earlier"
     rows = result["realistic"]["rows"]
     assert [r["experts"] for r in rows] == [16, 32] and all(r["gate"] > 0 and r["plain"] > 0 for r in rows)
+    assert all(r["gate_before"] > 0 and r["ratio_before"] == r["gate_before"] / r["plain"] for r in rows)
     assert [s["tokens"] for s in rows[1]["canary_tokens_scaling"]] == [256, 512, 1024]
     assert result["profile"]["gate"]["host_ms_total"] > 0 and result["profile"]["plain"]["host_ms_total"] > 0
+
+
+def test_before_must_name_a_package(script, tmp_path):
+    with pytest.raises(SystemExit):
+        script("benchmarks/gpu_check.py").main(["--smoke", "--before", str(tmp_path)])
