@@ -62,8 +62,9 @@ def _stash_only(self: capture.LayerCapture, x: torch.Tensor, g: torch.Tensor, ro
     return stash
 
 
-def _summaries_only(layers: list[Any], hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [selfcheck.layer_summary(host) for host in hosts]
+def _summaries_only(layers: list[Any], hosts: list[dict[str, Any]], owned: list[Any], fallbacks: list[Any]
+                    ) -> list[dict[str, Any]]:
+    return [selfcheck.layer_summary(host, owned, fallbacks) for host in hosts]
 
 
 STAND_INS: dict[str, list[tuple[Any, str, Any]]] = {

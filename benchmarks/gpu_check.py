@@ -187,17 +187,6 @@ def model_shape(spec: dict[str, Any], experts: int) -> dict[str, Any]:
     return {k: spec[k] for k in ("hidden", "moe_intermediate", "top_k", "layers", "dtype")} | {"experts": experts}
 
 
-def _cuda_peak(fn) -> int:
-    """Bytes ``fn`` allocates at its peak on the current CUDA device beyond what was allocated before it (after a
-    first call, so that nothing it keeps is counted)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    fn()
-    return torch.cuda.max_memory_allocated() - start
-
-
 def section_realistic(limit: float, smoke: bool, before: str | None = None) -> dict[str, Any]:
     """Gate against a plain forward at realistic width, one row per expert count; with ``before`` (a renamed
     package's folder, ``--prepare-before``) that package's gate beside this tree's."""
@@ -240,7 +229,7 @@ def section_realistic(limit: float, smoke: bool, before: str | None = None) -> d
             row["host_syncs_per_gate"], row["host_syncs_where"] = _syncs(gate)
             row["host_syncs_per_plain_forward"], _ = _syncs(lambda m=model: bench.plain_forward(m, canary, 8))
             if old is not None:
-                peak = _cuda_peak(passes["gate_before"])
+                peak = bench.cuda_peak(passes["gate_before"])
                 row["peak_memory_before"] = {"gate": peak, "ratio": peak / max(row["peak_memory"]["plain_forward"], 1)}
                 row["host_syncs_per_gate_before"], row["host_syncs_where_before"] = _syncs(passes["gate_before"])
         if e == spec["experts"][len(spec["experts"]) // 2]:

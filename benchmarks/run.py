@@ -119,21 +119,25 @@ print(json.dumps({{'peak_over_start': status('VmHWM') - before}}))
 """
 
 
+def cuda_peak(fn) -> int:
+    """Bytes ``fn`` allocates at its peak on the current CUDA device beyond what was allocated before it (after a
+    first call, so that nothing it keeps is counted)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    return torch.cuda.max_memory_allocated() - start
+
+
 def peak_memory(model, canary: Canary, spec: dict | None = None, windows: int = 64) -> dict:
     """Peak memory of a plain forward and of a gate over the canary (``spec``: a realistic model, on CPU
     rebuilt in each child process)."""
     device = next(model.parameters()).device
     cfg = AtlasConfig.from_dict(QUIET)
     if device.type == "cuda":
-        out = {}
-        for name, fn in (("plain_forward", lambda: plain_forward(model, canary, 8)),
-                         ("gate", lambda: measure(model, canary, config=cfg, keep_anchors=False))):
-            fn()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            fn()
-            out[name] = torch.cuda.max_memory_allocated() - start
+        out = {"plain_forward": cuda_peak(lambda: plain_forward(model, canary, 8)),
+               "gate": cuda_peak(lambda: measure(model, canary, config=cfg, keep_anchors=False))}
         return out | {"ratio": out["gate"] / max(out["plain_forward"], 1), "how": "cuda max_memory_allocated"}
     out = {}
     for mode in ("plain", "gate"):

@@ -332,7 +332,7 @@ def build_report(
     owned = [p["owned"] for p in partials]
     merged = [merge_hosts([p["layers"][i] for p in partials], owned) for i in range(len(layers))]
     _check_finite(layers, merged)
-    checks = check_layers(layers, merged, owned, [p.get("kernels_fallback") for p in partials])
+    checks = check_layers(layers, merged, owned, [p["kernels_fallback"] for p in partials])
     protected = set(protected_ordinals(len(layers), config.lifecycle.protected_layers))
     meta = [{**layer.describe(), "ordinal": layer.ordinal, "protected": layer.ordinal in protected,
              "selfcheck": check}

@@ -37,7 +37,7 @@ import torch
 
 from atlas_tracking.adapters.base import Routing
 from atlas_tracking.engine.combine import PATHS
-from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
+from atlas_tracking.engine.kernels import KERNEL_PATHS
 
 CHECKS = ("gain", "block_input", "recombination", "experts_call", "active_set")
 TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -227,20 +227,19 @@ def fallback_reason(kernels: np.ndarray, owned: list[np.ndarray], fallbacks: lis
     """
     eager = KERNEL_PATHS.index("eager")
     ran = [(rank, why) for rank, (own, why) in enumerate(zip(owned, fallbacks))
-           if why is not None and np.any(np.asarray(kernels)[own] == eager)]
+           if why is not None and np.any(kernels[own] == eager)]
     if not ran:
         return None
     return ran[0][1] if len(fallbacks) == 1 else "; ".join(f"rank {rank}: {why}" for rank, why in ran)
 
 
-def layer_summary(host: dict[str, Any], owned: list[np.ndarray] | None = None,
-                  fallbacks: list[str | None] | None = None) -> dict[str, Any]:
+def layer_summary(host: dict[str, Any], owned: list[np.ndarray], fallbacks: list[str | None]) -> dict[str, Any]:
     """One layer's worst error per check over the canary (None where not measured), the tolerance, the
     share of tokens whose model choice is not a top-k of the adapter's scores, how the layer's output
     came about in the gate (``layer_output``: the paths of ``engine/combine.py`` joined by ``+``) and how its field
     arithmetic ran (``kernels``: the paths of ``engine/kernels.py`` joined by ``+``, with ``kernels_fallback``,
     :func:`fallback_reason`, where a process computed it eagerly because a compile failed). ``owned`` and
-    ``fallbacks``: each process's windows and compile failure (default: this process alone, its own failure)."""
+    ``fallbacks``: each process's windows and compile failure (a gate's partials carry them)."""
     errs = np.asarray(host["selfcheck"], dtype=np.float64)
     summary: dict[str, Any] = {}
     for j, name in enumerate(CHECKS):
@@ -252,15 +251,14 @@ def layer_summary(host: dict[str, Any], owned: list[np.ndarray] | None = None,
     summary["layer_output"] = "+".join(PATHS[c] for c in np.unique(np.asarray(host["layer_output"])))
     kernels = np.asarray(host["kernels"])
     summary["kernels"] = "+".join(KERNEL_PATHS[c] for c in np.unique(kernels))
-    reason = fallback_reason(kernels, owned or [np.arange(len(kernels))],
-                             fallbacks if fallbacks is not None else [PROCESS_KERNELS.fallback])
+    reason = fallback_reason(kernels, owned, fallbacks)
     if reason is not None:
         summary["kernels_fallback"] = reason
     return summary
 
 
-def check_layers(layers: list[Any], hosts: list[dict[str, Any]], owned: list[np.ndarray] | None = None,
-                 fallbacks: list[str | None] | None = None) -> list[dict[str, Any]]:
+def check_layers(layers: list[Any], hosts: list[dict[str, Any]], owned: list[np.ndarray],
+                 fallbacks: list[str | None]) -> list[dict[str, Any]]:
     """Every layer's self-check summary (``owned``, ``fallbacks``: as :func:`layer_summary`'s); raises
     :class:`AdapterCheckError` naming each layer beyond tolerance."""
     summaries, problems = [], []
