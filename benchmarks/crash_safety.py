@@ -2,7 +2,7 @@
 resume each time from the latest checkpoint, and check the record and the trackers.
 
 ``python benchmarks/crash_safety.py --kills 30`` writes ``benchmarks/crash_safety.json`` and prints the counts;
-``--seeds 7 11 13`` runs one soak per seed.
+``--seeds 7 11 13`` runs one soak per seed (``--jobs 2``: two at a time).
 
 Each training process (this file with ``child``) trains the tests' tiny Qwen3-MoE with a gate every 10
 steps, W&B offline and MLflow on sqlite, and a checkpoint (``last.ckpt``) at every validation end. It
@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -245,9 +246,13 @@ def _run(root: Path, plan: list[str], rng: random.Random, max_steps: int, final_
             **check(root, acknowledged)}
 
 
-def run_seeds(root: Path, kills: int, seeds: list[int], **kwargs: Any) -> dict[str, Any]:
-    """One soak per seed (``root/seed_N``); the per-seed counts and the totals of what must stay zero."""
-    per_seed = {seed: run(root / f"seed_{seed}", kills, seed, **kwargs) for seed in seeds}
+def run_seeds(root: Path, kills: int, seeds: list[int], jobs: int = 1, **kwargs: Any) -> dict[str, Any]:
+    """One soak per seed (``root/seed_N``), ``jobs`` of them side by side (each in its own directory, with its own
+    children: they share nothing but the machine, so each seed's ``wall_seconds`` then reads the shared machine's);
+    the per-seed counts and the totals of what must stay zero."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {seed: pool.submit(run, root / f"seed_{seed}", kills, seed, **kwargs) for seed in seeds}
+        per_seed = {seed: future.result() for seed, future in futures.items()}
     zero = ("acknowledged_lost", "duplicated_in_record", "receipts_not_matching_their_record",
             "record_files_partial_or_corrupt_lines", "duplicate_steps_within_a_tracker_run")
     return {"seeds": per_seed, "totals": {k: sum(r[k] for r in per_seed.values()) for k in zero},
@@ -336,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", help="several soaks, one per seed (each --kills kills, in its "
                                                              "own directory); overrides --seed")
+    parser.add_argument("--jobs", type=int, default=1, help="soaks of --seeds run side by side (default 1: one "
+                                                            "after another, each seed's wall_seconds its own)")
     parser.add_argument("--root", default=None, help="work directory (default: a new temporary one)")
     parser.add_argument("--out", default=str(HERE / "crash_safety.json"))
     args = parser.parse_args(argv)
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="atlas-crash-"))
     if args.seeds:
-        result = {"root": str(root), **run_seeds(root, args.kills, args.seeds)}
+        result = {"root": str(root), **run_seeds(root, args.kills, args.seeds, jobs=args.jobs)}
     else:
         result = {"root": str(root), "seed": args.seed, **run(root, args.kills, args.seed)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

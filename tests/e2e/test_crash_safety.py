@@ -11,7 +11,7 @@ import pytest
 def test_kills_never_corrupt_lose_or_duplicate_a_gate_and_the_trackers_catch_up(tmp_path, script):
     soak = script("benchmarks/crash_safety.py").run_seeds
 
-    result = soak(tmp_path / "crash", kills=3, seeds=[1, 11], kinds=("in_gate", "record_write", "delivery"))
+    result = soak(tmp_path / "crash", kills=3, seeds=[1, 11], jobs=2, kinds=("in_gate", "record_write", "delivery"))
     assert result["totals"] == {"acknowledged_lost": 0, "duplicated_in_record": 0,
                                 "receipts_not_matching_their_record": 0, "record_files_partial_or_corrupt_lines": 0,
                                 "duplicate_steps_within_a_tracker_run": 0}
