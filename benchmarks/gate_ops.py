@@ -37,17 +37,19 @@ def profiled(run: Callable[[], Any]) -> Any:
     return prof
 
 
-def per_operator(events: Iterable[Any], passes: int) -> dict[str, tuple[float, float]]:
-    """``{operator: (calls, self ms)}`` per pass from ``key_averages()`` events of ``passes`` profiled passes.
+def per_pass(events: Iterable[Any], passes: int, by_shape: bool = False) -> dict[Any, tuple[float, float]]:
+    """``{operator: (calls, self ms)}`` per pass from ``key_averages()`` events of ``passes`` profiled passes; with
+    ``by_shape``, keyed by ``(operator, input shapes)`` from ``key_averages(group_by_input_shape=True)`` events.
 
     >>> from types import SimpleNamespace as E
-    >>> per_operator([E(key="aten::mm", count=4, self_cpu_time_total=3000.0)], passes=2)
+    >>> per_pass([E(key="aten::mm", count=4, self_cpu_time_total=3000.0)], passes=2)
     {'aten::mm': (2.0, 1.5)}
     """
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[Any, tuple[float, float]] = {}
     for e in events:
-        calls, ms = out.get(e.key, (0.0, 0.0))
-        out[e.key] = (calls + e.count / passes, ms + e.self_cpu_time_total / 1e3 / passes)
+        key = (e.key, str(e.input_shapes)) if by_shape else e.key
+        calls, ms = out.get(key, (0.0, 0.0))
+        out[key] = (calls + e.count / passes, ms + e.self_cpu_time_total / 1e3 / passes)
     return out
 
 
@@ -66,20 +68,9 @@ def operator_table(gate: dict[str, tuple[float, float]], forward: dict[str, tupl
     return sorted(rows, key=lambda r: -r["extra_ms"])[:top]
 
 
-def shape_totals(events: Iterable[Any], passes: int) -> dict[tuple[str, str], tuple[float, float]]:
-    """``{(operator, input shapes): (calls, self ms)}`` per pass from ``key_averages(group_by_input_shape=True)``
-    events of ``passes`` profiled passes."""
-    out: dict[tuple[str, str], tuple[float, float]] = {}
-    for e in events:
-        key = (e.key, str(e.input_shapes))
-        calls, ms = out.get(key, (0.0, 0.0))
-        out[key] = (calls + e.count / passes, ms + e.self_cpu_time_total / 1e3 / passes)
-    return out
-
-
 def costliest_shapes(shapes: dict[tuple[str, str], tuple[float, float]], operator: str, n: int = 4
                      ) -> list[dict[str, Any]]:
-    """The ``n`` input shapes of ``operator`` with the most self time in :func:`shape_totals`'s table.
+    """The ``n`` input shapes of ``operator`` with the most self time in :func:`per_pass`'s table by shape.
 
     >>> costliest_shapes({("mm", "[[2, 3], [3, 4]]"): (1.0, 2.0), ("mm", "[[1, 3], [3, 4]]"): (5.0, 1.0)}, "mm", n=1)
     [{'input_shapes': '[[2, 3], [3, 4]]', 'calls': 1.0, 'self_ms': 2.0}]
@@ -114,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "gate":
                 shaped += prof.key_averages(group_by_input_shape=True)
             del prof
-    ops = {name: per_operator(ev, args.repeats) for name, ev in events.items()}
+    ops = {name: per_pass(ev, args.repeats) for name, ev in events.items()}
     table = operator_table(ops["gate"], ops["forward"], args.top)
-    shapes = shape_totals(shaped, args.repeats)
+    shapes = per_pass(shaped, args.repeats, by_shape=True)
     result = {
         "model": f"Qwen3-MoE, {LAYERS} routed layers x {EXPERTS} experts, k = {TOP_K}, width {args.width}, float32",
         "canary": f"{WINDOWS} x 128 tokens, micro-batches of {cfg.receipts.batch_windows} windows",
