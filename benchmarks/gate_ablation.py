@@ -4,8 +4,8 @@
 initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token canary
 in micro-batches of 8 windows, the user seconds of a plain no-grad forward, of a gate (no baseline, eager field
 arithmetic) and of the gate with parts replaced by stand-ins that cost nothing: the competitors' and the self-check
-sample's products (``pairs``: the active fields still come from the experts' own products), the field arithmetic
-(``chunk``), the re-route for ``ov_cf`` (``reroute``), the per-window sums with the re-route (``compute``), the
+sample's products (``pairs``: the active fields still come from the experts' own products; the pooled competitors'
+call too), the field arithmetic (``chunk``, the pooled competitors' distances too), the re-route for ``ov_cf`` (``reroute``), the per-window sums with the re-route (``compute``), the
 self-check's comparisons (``observe``), and all of them at once (``all``). The stand-ins return zeros, so those
 gates' receipts are wrong and their self-check is not judged: a benchmark-only instrument, for timing alone. One
 process, one torch thread, the passes interleaved, the medians of ``--repeats`` of each pass's ratio to the plain
@@ -26,7 +26,7 @@ import torch
 
 from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.adapters.hf import HFLayer
-from atlas_tracking.engine import capture, kernels, selfcheck
+from atlas_tracking.engine import capture, kernels, pooled_competitors, selfcheck
 from atlas_tracking.engine import measure as measure_module
 from atlas_tracking.receipts.field_chunk import ChunkReceipts
 from atlas_tracking.testing.bench import cpu_usage, gate_bench_inputs, plain_forward, write_result
@@ -50,7 +50,16 @@ def _zero_chunk(self: kernels.ChunkKernels, setting: str, u: torch.Tensor, *args
     n, _, d = u.shape
     zeros = torch.zeros(n, device=u.device)
     return ChunkReceipts(zeros, torch.ones(n, dtype=torch.bool, device=u.device), u.new_zeros((n, d)).float(),
-                         zeros, zeros, None), "eager"
+                         zeros, zeros, None, u.new_zeros((n, d)).float()), "eager"
+
+
+def _zero_adjacent(u_adj: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    zeros = torch.zeros(len(u_adj), device=u_adj.device)
+    return zeros, zeros
+
+
+def _zero_pairs(self: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return [rows.new_zeros((*e.shape, rows.shape[-1])) for rows, e in pairs]
 
 
 def _no_reroute(self: Any, g: torch.Tensor) -> torch.Tensor:
@@ -68,8 +77,8 @@ def _summaries_only(layers: list[Any], hosts: list[dict[str, Any]], owned: list[
 
 
 STAND_INS: dict[str, list[tuple[Any, str, Any]]] = {
-    "pairs": [(capture.LayerCapture, "_grouped_call", _active_only)],
-    "chunk": [(kernels.ChunkKernels, "__call__", _zero_chunk)],
+    "pairs": [(capture.LayerCapture, "_grouped_call", _active_only), (HFLayer, "grouped_pair_outputs", _zero_pairs)],
+    "chunk": [(kernels.ChunkKernels, "__call__", _zero_chunk), (pooled_competitors, "adjacent_receipts", _zero_adjacent)],
     "reroute": [(HFLayer, "route_active", _no_reroute)],
     "compute": [(capture.LayerCapture, "compute", _stash_only)],
     "observe": [(selfcheck.SelfCheck, "observe", lambda self, *a, **k: None)],

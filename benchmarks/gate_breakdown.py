@@ -4,9 +4,10 @@
 initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token
 canary in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a
 gate (no baseline, eager field arithmetic) split into: the experts' products (the active fields, read as the
-model's own experts code computes them, with the competitors and the self-check's sample in the same pass,
-``adapters/grouped_experts.py``), the per-token field arithmetic (``receipts/field_chunk.py``), the re-route of the
-post-update state for ``ov_cf`` (the model's norm and router), the self-check, and the rest. Each part is
+model's own experts code computes them, with the self-check's sample in the same pass,
+``adapters/grouped_experts.py``, and each layer's competitors in one pooled call, ``engine/pooled_competitors.py``),
+the per-token field arithmetic (``receipts/field_chunk.py``), the re-route of the post-update state for ``ov_cf``
+(the model's norm and router), the self-check, and the rest. Each part is
 timed by wrapping the engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few
 microseconds a call, falls into the parts), the passes interleaved, the medians of ``--repeats``; every part is
 also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
@@ -27,7 +28,7 @@ import torch
 
 from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.adapters.hf import HFLayer
-from atlas_tracking.engine import capture
+from atlas_tracking.engine import capture, pooled_competitors
 from atlas_tracking.engine.kernels import ChunkKernels
 from atlas_tracking.engine.selfcheck import SelfCheck
 from atlas_tracking.testing.bench import gate_bench_inputs, plain_forward, write_result
@@ -72,7 +73,8 @@ class PartTimer:
 
 PARTS: list[tuple[type, str, str]] = [
     (HFLayer, "grouped_outputs", "experts"), (capture.LayerCapture, "_pair_call", "experts"),
-    (ChunkKernels, "__call__", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
+    (HFLayer, "grouped_pair_outputs", "experts"), (ChunkKernels, "__call__", "field_arithmetic"),
+    (pooled_competitors, "adjacent_receipts", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
     (SelfCheck, "observe", "selfcheck"), (capture.LayerCapture, "compute", "receipts_per_window"),
     (capture.LayerCapture, "select", "selection"),
 ]

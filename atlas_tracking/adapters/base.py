@@ -248,6 +248,11 @@ class RoutedLayer:
         set one pair a row, :meth:`pair_outputs`). The default reads none."""
         return None
 
+    def grouped_pair_outputs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """The raw outputs of ``pairs`` alone, as :meth:`grouped_outputs` computes its further pairs (all of them in
+        one pass), where the adapter reads the experts' own products; None otherwise. The default reads none."""
+        return None
+
     def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``."""
         n, m = experts.shape

@@ -31,6 +31,10 @@ Example (a tiny Qwen3-MoE; transformers supplies the experts code):
     True
     >>> torch.allclose(competitors[1, 0], experts(x[1:2], torch.tensor([[0]]), torch.ones(1, 1))[0])
     True
+    >>> e = torch.tensor([[2], [0], [3], [1], [1]])
+    >>> (alone,) = pair_fields(experts, [(x, e)])          # the pairs alone: the experts' own call of those rows
+    >>> torch.equal(alone[:, 0], experts(x, e, torch.ones(5, 1)))
+    True
 """
 
 from __future__ import annotations
@@ -141,6 +145,37 @@ def _projection(experts: nn.Module, moe: ModuleType, first: bool, parts: list[tu
                                 is_transposed=experts.is_transposed) for groups, x in parts]
 
 
+def _products(experts: nn.Module, moe: ModuleType, parts: list[_Groups]) -> list[torch.Tensor]:
+    """Each part's products, sorted by expert as its groups hold them: the grouped products of both projections with
+    the model's own gate and activation between, and its post-expert norm where it has one."""
+    hidden_parts = _projection(experts, moe, True, [(groups, groups.rows) for groups in parts])
+    hidden_parts = [experts._apply_gate(h) if experts.has_gate else experts.act_fn(h) for h in hidden_parts]
+    outs = _projection(experts, moe, False, list(zip(parts, hidden_parts)))
+    return [experts.post_expert_norm(out) for out in outs] if experts.has_post_expert_norm else outs
+
+
+def _pair_groups(pairs: list[tuple[torch.Tensor, torch.Tensor]], n_experts: int) -> _Groups:
+    """Every (row, expert) pair of ``pairs`` (groups of rows ``[R, d]`` and experts ``[R, m]``) in one part."""
+    starts = itertools.accumulate((len(rows) for rows, _ in pairs[:-1]), initial=0)
+    pair_rows = torch.cat([start + torch.arange(e.numel(), device=e.device) // e.shape[-1]
+                           for start, (_, e) in zip(starts, pairs)])
+    return _Groups(torch.cat([rows for rows, _ in pairs]), pair_rows, torch.cat([e.reshape(-1) for _, e in pairs]),
+                   n_experts)
+
+
+def _split_pairs(groups: _Groups, out: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> list[torch.Tensor]:
+    further = torch.split(groups.unsort(out), [e.numel() for _, e in pairs])
+    return [part.view(*e.shape, -1) for part, (_, e) in zip(further, pairs)]
+
+
+def _implementation(experts: nn.Module, moe: ModuleType | None) -> ModuleType:
+    moe = moe if moe is not None else grouped_implementation(experts)
+    if moe is None:
+        raise ValueError(f"{type(experts).__name__} does not run transformers' grouped_mm experts implementation")
+    return moe
+
+
 def grouped_fields(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor,
                    pairs: list[tuple[torch.Tensor, torch.Tensor]] = (), moe: ModuleType | None = None
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -148,25 +183,23 @@ def grouped_fields(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor
     ``experts(hidden, index, weights)`` (``hidden [N, d]``, ``index [N, k]``), and those of each group of further
     ``pairs`` ((rows ``[R, d]``, experts ``[R, m]``) -> ``[R, m, d]``), in the products' dtype. ``moe`` is
     :func:`grouped_implementation`'s answer, found here when not given."""
-    moe = moe if moe is not None else grouped_implementation(experts)
-    if moe is None:
-        raise ValueError(f"{type(experts).__name__} does not run transformers' grouped_mm experts implementation")
+    moe = _implementation(experts, moe)
     n_experts = int(experts.num_experts)
     n, k = index.shape
     parts = [_Groups(hidden, None, index.reshape(-1), n_experts, per_row=k)]
     if pairs:
-        starts = itertools.accumulate((len(rows) for rows, _ in pairs[:-1]), initial=0)
-        pair_rows = torch.cat([start + torch.arange(e.numel(), device=e.device) // e.shape[-1]
-                               for start, (_, e) in zip(starts, pairs)])
-        parts.append(_Groups(torch.cat([rows for rows, _ in pairs]), pair_rows,
-                             torch.cat([e.reshape(-1) for _, e in pairs]), n_experts))
-    hidden_parts = _projection(experts, moe, True, [(groups, groups.rows) for groups in parts])
-    hidden_parts = [experts._apply_gate(h) if experts.has_gate else experts.act_fn(h) for h in hidden_parts]
-    outs = _projection(experts, moe, False, list(zip(parts, hidden_parts)))
-    if experts.has_post_expert_norm:
-        outs = [experts.post_expert_norm(out) for out in outs]
+        parts.append(_pair_groups(pairs, n_experts))
+    outs = _products(experts, moe, parts)
     fields = parts[0].unsort(outs[0]).view(n, k, -1)
+    return fields, (_split_pairs(parts[1], outs[1], pairs) if pairs else [])
+
+
+def pair_fields(experts: nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]], moe: ModuleType | None = None
+                ) -> list[torch.Tensor]:
+    """The products of ``pairs`` alone (groups of rows ``[R, d]`` and experts ``[R, m]`` -> ``[R, m, d]``), as
+    :func:`grouped_fields` computes its further pairs: one grouped product per projection for all of them, so each
+    product has the rows it has in ``experts``' own call of those rows with unit weights (the module's example)."""
     if not pairs:
-        return fields, []
-    further = torch.split(parts[1].unsort(outs[1]), [e.numel() for _, e in pairs])
-    return fields, [part.view(*e.shape, -1) for part, (_, e) in zip(further, pairs)]
+        return []
+    groups = _pair_groups(pairs, int(experts.num_experts))
+    return _split_pairs(groups, _products(experts, _implementation(experts, moe), [groups])[0], pairs)

@@ -28,7 +28,7 @@ from atlas_tracking.adapters.base import (
     Routing,
     register_family,
 )
-from atlas_tracking.adapters.grouped_experts import grouped_fields, grouped_implementation
+from atlas_tracking.adapters.grouped_experts import grouped_fields, grouped_implementation, pair_fields
 from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
 
 Scale = Callable[[nn.Module], float]
@@ -159,10 +159,19 @@ class HFLayer(RoutedLayer):
                         ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """transformers' ``grouped_mm`` experts read as their own code computes them (``adapters/grouped_experts.py``),
         for a layer whose experts are called as the table reads them (no reading of its own for the pairs)."""
+        moe = self._grouped_implementation()
+        return None if moe is None else grouped_fields(self.experts, hidden, index, pairs, moe)
+
+    def grouped_pair_outputs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+        moe = self._grouped_implementation()
+        return None if moe is None else pair_fields(self.experts, pairs, moe)
+
+    def _grouped_implementation(self) -> Any:
+        """transformers' experts module where this layer's experts run its ``grouped_mm`` and are called as the
+        table reads them (no reading of its own for the pairs), else None."""
         if type(self).pair_outputs is not RoutedLayer.pair_outputs or not self.fusable:
             return None
-        moe = grouped_implementation(self.experts)
-        return None if moe is None else grouped_fields(self.experts, hidden, index, pairs, moe)
+        return grouped_implementation(self.experts)
 
 
 class InputScaledLayer(HFLayer):

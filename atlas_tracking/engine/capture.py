@@ -24,6 +24,7 @@ from atlas_tracking.engine.combine import COMBINES, OWN, PATHS, UNFUSED, VERDICT
 from atlas_tracking.engine.fields import FieldEvaluator, LocalFields, field_evaluator
 from atlas_tracking.engine.free_memory import field_rows
 from atlas_tracking.engine.kernels import KERNEL_PATHS, PROCESS_KERNELS
+from atlas_tracking.engine.pooled_competitors import CompetitorPool, PendingBatch
 from atlas_tracking.engine.selfcheck import SelfCheck, same_tensor
 from atlas_tracking.engine.sharding import gathered
 from atlas_tracking.engine.transfer import read_back, send
@@ -176,10 +177,11 @@ class FieldReceipts:
 
     c2: torch.Tensor
     c2_ok: torch.Tensor
-    d_adj: torch.Tensor
-    """``[N]`` redundancy distance of ``e_k`` and its adjacent competitor ``e_k1``."""
-    jump: torch.Tensor
-    d_rand: torch.Tensor
+    d_adj: torch.Tensor | None
+    """``[N]`` redundancy distance of ``e_k`` and its adjacent competitor ``e_k1``; None (with ``jump`` and
+    ``d_rand``) where the competitors wait for the layer's pooled call (``engine/pooled_competitors.py``)."""
+    jump: torch.Tensor | None
+    d_rand: torch.Tensor | None
     """``[M]`` redundancy distance of ``e_k`` and the random competitor, at the boundary candidates."""
     adj_fields: torch.Tensor
     """``[N]`` both ``e_k`` and ``e_k1`` carry a field (``d_adj`` and ``jump`` count only there)."""
@@ -289,6 +291,7 @@ class LayerCapture:
         storage: AnchorStorage | None = None,
         index: int = 0,
         free_memory: int | None = None,
+        pool_bytes: int | None = None,
     ):
         self.layer = layer
         self.acc = acc
@@ -298,10 +301,14 @@ class LayerCapture:
         """Where the anchors of the baseline being collected go (None: this gate collects none)."""
         self.collect = spool is not None
         self.index = index
+        """The layer's index in the gate: its tensors' names in the baseline (``"{index}.z0"``, ...)."""
         self.free_memory = free_memory
         """Bytes free on the device when the gate started (None: unknown): bounds a chunked call's rows
         (``engine/free_memory.py``)."""
-        """The layer's index in the gate: its tensors' names in the baseline (``"{index}.z0"``, ...)."""
+        self.pool = CompetitorPool(pool_bytes)
+        """The kept micro-batches whose competitors wait for one pooled call (``engine/pooled_competitors.py``)."""
+        self.last_batch: MicroBatch | None = None
+        """The gate's last micro-batch, whose call of the experts evaluates what the pool holds (None: pool nothing)."""
         self.references = {"": base, "base.": post_base}
         """The anchors drift reads against: the baseline's and the post-training base's (None: not measured)."""
         self.storage = storage if storage is not None else AnchorStorage("exact")
@@ -604,6 +611,26 @@ class LayerCapture:
         with self._model_arithmetic():
             return self.layer.grouped_outputs(hidden, index, pairs)
 
+    def _pools(self, device: torch.device) -> bool:
+        """Whether this micro-batch's competitors wait for the layer's pooled call (``engine/pooled_competitors.py``):
+        a kept micro-batch on the CPU, with eager field arithmetic (the pooled distances are eager), a memory budget,
+        the gate's last micro-batch known, and no ZeRO-3 parameters (whose gathers every rank must match)."""
+        return (device.type == "cpu" and self.batch.keep and self.pool.budget is not None
+                and self.last_batch is not None and not self._zero3
+                and PROCESS_KERNELS.path(self.cfg.kernels, device) == "eager")
+
+    def _flush_pool(self) -> None:
+        """The pooled competitors' products, in one call of the experts in the model's arithmetic, reduced into the
+        layer's per-window sums (inside the model's forward, where its parameters are what its own call reads)."""
+        def evaluate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+            with self._model_arithmetic():
+                fields = self.layer.grouped_pair_outputs(pairs)
+            if fields is None:
+                raise RuntimeError(f"{self.layer.name}: the pooled competitors' experts call read nothing")
+            return fields
+
+        self.pool.flush(evaluate, self.acc, self.cfg.eps_d)
+
     def _anchor_calls(self, anchors: list[AnchorBatch], like: torch.Tensor) -> list[torch.Tensor]:
         """Each anchor batch's fields in a call of its own, so a baseline's anchors and the same anchors read at a
         later gate go through calls with the same rows: parts that did not change drift by exactly 0, whatever
@@ -638,7 +665,8 @@ class LayerCapture:
         the model's arithmetic; the chunked calls then hold the competitors only. The self-check's ``sample``
         groups ride in the last chunked call, with the random competitors. Where the adapter reads the experts'
         own products (:meth:`_grouped_call`), the active fields are those products, and when a single chunk holds
-        every token its competitors and sample come in the same pass.
+        every token its competitors and sample come in the same pass; on the CPU the competitors then wait for
+        the layer's pooled call instead (:meth:`_pools`), and the sample comes with the active set.
         """
         cfg, routing = self.cfg, sel.routing
         n, k = routing.active.shape
@@ -660,9 +688,12 @@ class LayerCapture:
         v_k = torch.empty(n, d, device=dev)
         wanted = -(-n // per_call)
         active_u, joint, outs = None, None, {}
+        pooled = handed is not None and wanted == 1 and self._pools(dev)
         if handed is not None:
-            grouped = self._grouped_call(g2, handed.index, [(g2, chosen), *extra] if wanted == 1 else [])
+            further = (sample or []) if pooled else [(g2, chosen), *extra] if wanted == 1 else []
+            grouped = self._grouped_call(g2, handed.index, further)
             if grouped is None:
+                pooled = False  # the competitors come in the chunked calls
                 (active_u,) = self._pair_call([(g2, handed.index)], g2)
             else:
                 active_u, joint = grouped[0], grouped[1] or None
@@ -684,28 +715,43 @@ class LayerCapture:
                 continue
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
             asked = chosen[t0:t1]
-            u_groups = joint or self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2)
+            u_groups = [None, *(joint or [])] if pooled else (
+                joint or self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2))
             u_active = u_groups[0][:, :k] if active_u is None else active_u[t0:t1]  # the model's dtype
             part, path = PROCESS_KERNELS(
-                cfg.kernels, u_active, u_groups[0][:, -1], zh[t0:t1], rho[t0:t1], s_active[t0:t1],
-                active_fields[t0:t1], pos_k[t0:t1], rho_k[t0:t1], cfg.beta_adj, cfg.eps_kappa, cfg.eps_d,
-                slot_experts[t0:t1] if sum_fields else None, self.layer.num_experts)
+                cfg.kernels, u_active, None if pooled else u_groups[0][:, -1], zh[t0:t1], rho[t0:t1],
+                s_active[t0:t1], active_fields[t0:t1], pos_k[t0:t1], rho_k[t0:t1], cfg.beta_adj, cfg.eps_kappa,
+                cfg.eps_d, slot_experts[t0:t1] if sum_fields else None, self.layer.num_experts)
             paths.add(path)
-            c2[t0:t1], c2_ok[t0:t1], v_k[t0:t1], d_adj[t0:t1], jump[t0:t1] = part[:5]
+            c2[t0:t1], c2_ok[t0:t1], v_k[t0:t1] = part[:3]
+            if not pooled:
+                d_adj[t0:t1], jump[t0:t1] = part.d_adj, part.jump
             if part.field_sum is not None:
                 f_sum += part.field_sum
             if t1 == n:
-                u_rand, *sampled = u_groups[1:]
+                u_rand, *sampled = u_groups[1:] if not pooled else (None, *u_groups[1:])
         if self.batch.keep:  # eager where any chunk was
             self.acc.arrays["kernels"][self.batch.start : self.batch.end] = min(map(KERNEL_PATHS.index, paths))
         u_anchors = self._anchor_calls(anchors, g2)
-        v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
         e_k = sel.sm.e_k
+        adj_fields = carries[e_k] & carries[sel.sm.e_k1]
+        rand_fields = carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand]
+        d_rand = None
+        if pooled:
+            in_b, keep_adj = sel.in_b, sel.sm.valid & adj_fields
+            self.pool.add(PendingBatch(
+                rows=slice(self.batch.start, self.batch.end), window=self.acc.window,
+                adjacent=(g2, chosen), random=extra[0], zh=zh, v_k=v_k, field=part.field, rho_k=rho_k,
+                b_pos=sel.b_pos, boundary=in_b & adj_fields, interior=keep_adj & ~in_b,
+                rand_ok=sel.rand_ok & rand_fields))
+            d_adj = jump = None
+        else:
+            v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
+            d_rand = redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d)
+        if self.pool.pending and (self.batch is self.last_batch or self.pool.full()):
+            self._flush_pool()
         return FieldReceipts(
-            c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump,
-            d_rand=redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d),
-            adj_fields=carries[e_k] & carries[sel.sm.e_k1],
-            rand_fields=carries[e_k.index_select(0, sel.b_pos)] & carries[sel.e_rand],
+            c2=c2, c2_ok=c2_ok, d_adj=d_adj, jump=jump, d_rand=d_rand, adj_fields=adj_fields, rand_fields=rand_fields,
             anchors=[tangent_project(u_a.float(), angular(a.z)) for a, u_a in zip(anchors, u_anchors)],
             outs=outs, sampled=tuple(sampled),
             coupling={} if unit is None else dict(zip(("dot", "state"), window_sums(zh, routing.active, unit,
@@ -757,14 +803,18 @@ class LayerCapture:
         ]).view(n_masks + 1, bw, seq)
         rand_ok = sel.rand_ok & fr.rand_fields
         candidates = torch.stack([rand_ok, sel.no_rand, sel.rand_ok & ~fr.rand_fields]).view(3, bw, -1)  # window-major
-        values = torch.stack([sm.margin, fr.c2, ov, fr.d_adj, fr.d_adj]).float().view(n_means, bw, seq)
+        # where the competitors wait for the pooled call, their distances and jump are added there (0 here)
+        d_adj = torch.zeros_like(sm.margin) if fr.d_adj is None else fr.d_adj
+        d_rand = torch.zeros_like(sel.b_pos, dtype=torch.float32) if fr.d_rand is None else fr.d_rand
+        values = torch.stack([sm.margin, fr.c2, ov, d_adj, d_adj]).float().view(n_means, bw, seq)
         acc.sums[:, rows] += torch.cat([torch.where(tokens[:n_means], values, 0.0).sum(-1),
-                                        torch.where(candidates[0], fr.d_rand.view(bw, -1), 0.0).sum(1, keepdim=True).T])
+                                        torch.where(candidates[0], d_rand.view(bw, -1), 0.0).sum(1, keepdim=True).T])
         n_tok, n_cand = tokens.sum(-1), candidates.sum(-1)
         dropped = (torch.zeros_like(n_cand[:1]) if routing.dropped is None
                    else routing.dropped.reshape(1, bw, -1).sum(-1))
         acc.counts[:, rows] += torch.cat([n_tok[:n_masks], n_cand[:2], dropped, n_tok[n_masks:] + n_cand[2:]])
-        arr["jump"][rows] = torch.where(in_b_adj, fr.jump, float("nan")).view(bw, seq)
+        if fr.jump is not None:
+            arr["jump"][rows] = torch.where(in_b_adj, fr.jump, float("nan")).view(bw, seq)
         arr["load"][rows] += window_loads(routing.active, bw, layer.num_experts)
         arr["p_mass"][rows] += routing.probs.view(bw, seq, -1).sum(1)
         arr["margin"][rows] = torch.where(valid, sm.margin, float("nan")).view(bw, seq)

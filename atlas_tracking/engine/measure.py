@@ -57,6 +57,7 @@ from atlas_tracking.engine.coupling import (
 )
 from atlas_tracking.engine.free_memory import free_bytes
 from atlas_tracking.engine.kernels import PROCESS_KERNELS
+from atlas_tracking.engine.pooled_competitors import pool_budget
 from atlas_tracking.engine.selfcheck import check_layers
 from atlas_tracking.engine.sharding import model_class_name, reshard
 from atlas_tracking.engine.transfer import read_back
@@ -210,7 +211,8 @@ def measure_partial(
         acc = LayerAccumulator(canary.n_windows, canary.window, layer.num_experts, rcfg.boundary_deltas, device)
         base = baseline.layer_reference(i, device) if baseline is not None else None
         since = post_base.layer_reference(i, device) if post_base is not None and same_anchors else None
-        captures.append(LayerCapture(layer, acc, rcfg, slices, spool, base, since, storage, index=i, free_memory=free))
+        captures.append(LayerCapture(layer, acc, rcfg, slices, spool, base, since, storage, index=i, free_memory=free,
+                                     pool_bytes=pool_budget(free, len(layers))))
     nll_sum = torch.zeros(canary.n_windows, dtype=torch.float32, device=device)
     nll_cnt = torch.zeros(canary.n_windows, dtype=torch.int64, device=device)
     kl_k = rcfg.kl_top_k if collect else 0
@@ -227,6 +229,8 @@ def measure_partial(
         for cap in captures:
             cap.attach()
         with torch.no_grad():
+            for cap in captures:
+                cap.last_batch = batches[-1]
             for batch in batches:
                 for cap in captures:
                     cap.batch = batch
@@ -261,6 +265,9 @@ def measure_partial(
                 f"routed layer {cap.layer.name} ran {cap.calls} times for {len(batches)} canary micro-batches; "
                 "is it bypassed by the model's forward?"
             )
+        if cap.pool.pending:  # evaluated in the last micro-batch's call of the experts, never skipped
+            raise RuntimeError(f"routed layer {cap.layer.name}: {len(cap.pool.pending)} micro-batches' competitors "
+                               "were not evaluated by the gate's last call of its experts")
     device_part = {  # read back to the host in one transfer (docs/receipts.md#host-synchronisations)
         "layers": [cap.acc.device_tensors() for cap in captures],
         "nll": (nll_sum, nll_cnt), "kl": (kl_sum, kl_cnt) if with_kl else None,
