@@ -250,8 +250,14 @@ class RoutedLayer:
 
     def grouped_pair_outputs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
         """The raw outputs of ``pairs`` alone, as :meth:`grouped_outputs` computes its further pairs (all of them in
-        one pass), where the adapter reads the experts' own products; None otherwise. The default reads none."""
+        one pass), where the adapter reads the experts' own products and they pay to be pooled over micro-batches
+        (docs/receipts.md#pooled-competitors); None otherwise. The default reads none."""
         return None
+
+    def pools_pairs(self) -> bool:
+        """Whether :meth:`grouped_pair_outputs` answers and pooling the competitors pays (their products do not
+        already ride with the active set's while the experts' weights are in cache). The default: no."""
+        return False
 
     def expert_outputs(self, g: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Raw (unweighted) outputs ``u_e(g_t)`` for ``experts [N, m]``: returns ``[N, m, d]``."""

@@ -129,12 +129,24 @@ def _expert_by_expert(weight: torch.Tensor, transposed: bool, parts: list[tuple[
     return outs
 
 
+def _interleaved(weight: torch.Tensor) -> bool:
+    """Whether further pairs' products run right after the active ones, expert by expert, for this projection."""
+    per_expert_bytes = weight[0].numel() * weight.element_size() if len(weight) else 0
+    return weight.device.type == "cpu" and per_expert_bytes >= INTERLEAVE_BYTES
+
+
+def interleaves(experts: nn.Module) -> bool:
+    """Whether either projection of ``experts`` runs the further pairs' products expert by expert right after the
+    active ones (on the CPU, weights of at least :data:`INTERLEAVE_BYTES` an expert): their weights are then read
+    once for both, and the pairs are best evaluated in the active set's pass."""
+    return any(_interleaved(_weight(experts, first)) for first in (True, False))
+
+
 def _projection(experts: nn.Module, moe: ModuleType, first: bool, parts: list[tuple[_Groups, torch.Tensor]]
                 ) -> list[torch.Tensor]:
     """One projection of every part (the first: gate and up, or up; else down), biases included."""
     weight = _weight(experts, first)
-    per_expert_bytes = weight[0].numel() * weight.element_size() if len(weight) else 0
-    if len(parts) > 1 and weight.device.type == "cpu" and per_expert_bytes >= INTERLEAVE_BYTES:
+    if len(parts) > 1 and _interleaved(weight):
         outs = _expert_by_expert(weight, experts.is_transposed, parts)
         for out, (groups, _) in zip(outs, parts):
             bias = _bias(experts, first, groups)

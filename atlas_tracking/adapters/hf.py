@@ -28,7 +28,12 @@ from atlas_tracking.adapters.base import (
     Routing,
     register_family,
 )
-from atlas_tracking.adapters.grouped_experts import grouped_fields, grouped_implementation, pair_fields
+from atlas_tracking.adapters.grouped_experts import (
+    grouped_fields,
+    grouped_implementation,
+    interleaves,
+    pair_fields,
+)
 from atlas_tracking.adapters.routers import BiasedScores, TopLogits, resolve
 
 Scale = Callable[[nn.Module], float]
@@ -165,6 +170,11 @@ class HFLayer(RoutedLayer):
     def grouped_pair_outputs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
         moe = self._grouped_implementation()
         return None if moe is None else pair_fields(self.experts, pairs, moe)
+
+    def pools_pairs(self) -> bool:
+        """Where the experts run transformers' ``grouped_mm`` as grouped products (each expert's weights under
+        ``INTERLEAVE_BYTES`` on the CPU): wider experts already evaluate the competitors in the active set's pass."""
+        return self._grouped_implementation() is not None and not interleaves(self.experts)
 
     def _grouped_implementation(self) -> Any:
         """transformers' experts module where this layer's experts run its ``grouped_mm`` and are called as the

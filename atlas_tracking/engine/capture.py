@@ -614,10 +614,11 @@ class LayerCapture:
     def _pools(self, device: torch.device) -> bool:
         """Whether this micro-batch's competitors wait for the layer's pooled call (``engine/pooled_competitors.py``):
         a kept micro-batch on the CPU, with eager field arithmetic (the pooled distances are eager), a memory budget,
-        the gate's last micro-batch known, and no ZeRO-3 parameters (whose gathers every rank must match)."""
+        the gate's last micro-batch known, no ZeRO-3 parameters (whose gathers every rank must match), and experts
+        whose adapter pools them (``RoutedLayer.pools_pairs``)."""
         return (device.type == "cpu" and self.batch.keep and self.pool.budget is not None
                 and self.last_batch is not None and not self._zero3
-                and PROCESS_KERNELS.path(self.cfg.kernels, device) == "eager")
+                and PROCESS_KERNELS.path(self.cfg.kernels, device) == "eager" and self.layer.pools_pairs())
 
     def _flush_pool(self) -> None:
         """The pooled competitors' products, in one call of the experts in the model's arithmetic, reduced into the

@@ -4,7 +4,8 @@
 On the CPU a grouped product is one matrix product per expert, whatever its rows: the adjacent and random
 competitors of one micro-batch (an eighth of its active rows at k = 8) spread over almost every expert in products
 of a few rows each, and cost nearly what the active rows cost (``benchmarks/RESULTS.md`` (w)). So on the CPU, where
-the experts run transformers' ``grouped_mm`` and are held here, a gate keeps each kept micro-batch's competitor rows
+the experts run transformers' ``grouped_mm`` as grouped products (``RoutedLayer.pools_pairs``: wider experts already
+evaluate the competitors in the active set's pass) and are held here, a gate keeps each kept micro-batch's competitor rows
 and what the distances read of its active fields (the tangent field of ``e_k``, the routed field, the unit states),
 and evaluates the competitors of all of them in one call of the experts: at the gate's last micro-batch, inside the
 model's forward, or earlier where the kept rows reach the layer's share of the free memory (:func:`pool_budget`).

@@ -131,7 +131,8 @@ class SelfCheck:
         """The (rows, experts) whose fields the expert checks read, for the micro-batch that holds the canary's
         first window (window-major ``g`` and ``active``): its first ``SAMPLE_TOKENS`` tokens at the adapter's
         active sets and, in fused mode, at the experts the model handed them (``handed``: its rows and indices).
-        The capture evaluates them in its competitors' call and hands the fields to :meth:`observe`."""
+        The capture evaluates them in its competitors' call (or its active set's, where the competitors are pooled)
+        and hands the fields to :meth:`observe`."""
         n = min(SAMPLE_TOKENS, self.acc.window)
         return [(g[:n], active[:n]), *(() if handed is None else ((handed[0][:n], handed[1][:n]),))]
 
@@ -154,8 +155,8 @@ class SelfCheck:
 
         The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
         Those that evaluate experts run once per gate, at the first tokens of the canary's first window: their
-        fields (``sampled``, of :meth:`sample_groups`) ride in the capture's call for the competitors, and in fused
-        mode the experts' own forward runs once on those tokens. A structural mismatch shows at any token, and
+        fields (``sampled``, of :meth:`sample_groups`) ride in the capture's call for the competitors (with the active
+        set where the competitors are pooled), and in fused mode the experts' own forward runs once on those tokens. A structural mismatch shows at any token, and
         the gate stays one forward pass.
         """
         layer, call = self.layer, self._call

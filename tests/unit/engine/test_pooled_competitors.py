@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from atlas_tracking import AtlasConfig, Canary, measure
-from atlas_tracking.adapters.grouped_experts import pair_fields
+from atlas_tracking.adapters.grouped_experts import interleaves, pair_fields
 from atlas_tracking.adapters.hf import HFLayer
 from atlas_tracking.engine import capture
 from atlas_tracking.engine import measure as measure_module
@@ -87,11 +87,14 @@ def test_a_pool_left_unevaluated_fails_the_gate(model, canary, monkeypatch):
         measure(model, canary, config=CFG, keep_anchors=False)
 
 
-def test_no_pool_off_the_cpu_path_or_without_a_budget(model, canary, monkeypatch):
+def test_no_pool_unfused_for_wide_experts_or_without_a_budget(model, canary, monkeypatch):
     assert pool_budget(None, 4) is None  # free memory unknown: a call per micro-batch
     rows = _counted(monkeypatch)
     cfg = AtlasConfig.from_dict({"receipts": {**CFG.to_dict()["receipts"], "fuse_experts": False}})
     measure(model, canary, config=cfg, keep_anchors=False)  # unfused: the competitors ride in the pair calls
+    wide = build_qwen3_moe(seed=1, hidden=128, layers=1, experts=4, top_k=2).eval()  # 128 KiB an expert: interleaved
+    assert interleaves(wide.model.layers[0].mlp.experts) and not interleaves(model.model.layers[0].mlp.experts)
+    measure(wide, canary, config=CFG, keep_anchors=False)  # in the active set's pass, expert by expert
     assert rows == []
 
 
