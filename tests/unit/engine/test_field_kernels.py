@@ -21,7 +21,7 @@ from atlas_tracking import AtlasConfig, Canary, measure
 from atlas_tracking.artifacts.gate_report import verify
 from atlas_tracking.engine import kernels
 from atlas_tracking.engine.kernels import PROCESS_KERNELS, ChunkKernels
-from atlas_tracking.receipts.field_chunk import chunk_receipts
+from atlas_tracking.receipts.field_chunk import adjacent_receipts, chunk_receipts
 from atlas_tracking.testing.distributed import run_workers
 from atlas_tracking.testing.families import family_model
 from atlas_tracking.testing.numpy_reference import c2_loop
@@ -80,6 +80,20 @@ def test_chunk_receipts_is_the_float64_loop(dtype):
     for key in ("c2", "v_k", "d_adj", "jump", "field_sum"):
         np.testing.assert_allclose(np.asarray(getattr(got, key)), want[key], rtol=TOL, atol=TOL, err_msg=key)
     assert chunk_receipts(*args[:-2]).field_sum is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adjacent_part_later_is_the_same_arithmetic(dtype):
+    """Without the adjacent field (pooled competitors) the chunk leaves the distance and jump to adjacent_receipts,
+    which gives them from what the chunk kept: the one-pass values bit for bit, and the float64 loop's."""
+    args = chunk(40, 3, 16, 5, dtype, seed=1)
+    whole, first = chunk_receipts(*args), chunk_receipts(args[0], None, *args[2:])
+    assert first.d_adj is None and first.jump is None and torch.equal(first.v_k, whole.v_k)
+    d_adj, jump = adjacent_receipts(args[1], args[2], first.v_k, first.field, args[7], EPS_D)
+    assert torch.equal(d_adj, whole.d_adj) and torch.equal(jump, whole.jump)
+    want = float64_loop(*args)
+    np.testing.assert_allclose(np.asarray(d_adj), want["d_adj"], rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(jump), want["jump"], rtol=TOL, atol=TOL)
 
 
 def test_auto_compiles_only_on_cuda_with_triton(monkeypatch):
