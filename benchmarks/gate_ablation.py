@@ -5,11 +5,11 @@ initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width
 in micro-batches of 8 windows, the user seconds of a plain no-grad forward, of a gate (no baseline, eager field
 arithmetic) and of the gate with parts replaced by stand-ins that cost nothing: the competitors' and the self-check
 sample's products (``pairs``: the active fields still come from the experts' own products; the pooled competitors'
-call too), the field arithmetic (``chunk``, the pooled competitors' distances too), the re-route for ``ov_cf`` (``reroute``), the per-window sums with the re-route (``compute``), the
-self-check's comparisons (``observe``), and all of them at once (``all``). The stand-ins return zeros, so those
-gates' receipts are wrong and their self-check is not judged: a benchmark-only instrument, for timing alone. One
-process, one torch thread, the passes interleaved, the medians of ``--repeats`` of each pass's ratio to the plain
-forward next to it. User seconds: the system seconds of page faults land on whichever pass finds freed memory gone
+call too), the field arithmetic (``chunk``, the pooled competitors' distances too), the re-route for ``ov_cf``
+(``reroute``), the per-window sums with the re-route (``compute``), the self-check's comparisons (``observe``), and
+all of them at once (``all``). The stand-ins return zeros, so those gates' receipts are wrong and their self-check is
+not judged: a benchmark-only instrument, for timing alone. One process, one torch thread, the passes interleaved,
+the medians of ``--repeats`` of each pass's ratio to the plain forward next to it. User seconds: the system seconds of page faults land on whichever pass finds freed memory gone
 (``gate_fresh_processes.py``). Results in ``benchmarks/RESULTS.md`` (v).
 """
 

@@ -36,6 +36,7 @@ from atlas_tracking.receipts.drift import (
     js_divergence,
     one_minus_cos,
 )
+from atlas_tracking.receipts.field_chunk import random_distance
 from atlas_tracking.receipts.geometry import angular, tangent_project
 from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
 from atlas_tracking.receipts.sketch import project
@@ -48,7 +49,6 @@ from atlas_tracking.receipts.state1 import (
     set_margin,
     tie_scale,
 )
-from atlas_tracking.receipts.state2 import redundancy_distance
 from atlas_tracking.receipts.windows import COUNTERS
 from atlas_tracking.schema.artifacts import DRIFT_RECEIPTS
 from atlas_tracking.schema.config import ReceiptsConfig
@@ -716,7 +716,8 @@ class LayerCapture:
                 continue
             t0, t1 = call * per_call, min(n, (call + 1) * per_call)
             asked = chosen[t0:t1]
-            u_groups = [None, *(joint or [])] if pooled else (
+            # pooled: no adjacent or random fields here, only the sample's with the active set (``joint``)
+            u_groups = [None, None, *(joint or [])] if pooled else (
                 joint or self._pair_call([(g2[t0:t1], asked), *(extra if t1 == n else [])], g2))
             u_active = u_groups[0][:, :k] if active_u is None else active_u[t0:t1]  # the model's dtype
             part, path = PROCESS_KERNELS(
@@ -730,7 +731,7 @@ class LayerCapture:
             if part.field_sum is not None:
                 f_sum += part.field_sum
             if t1 == n:
-                u_rand, *sampled = u_groups[1:] if not pooled else (None, *u_groups[1:])
+                u_rand, *sampled = u_groups[1:]
         if self.batch.keep:  # eager where any chunk was
             self.acc.arrays["kernels"][self.batch.start : self.batch.end] = min(map(KERNEL_PATHS.index, paths))
         u_anchors = self._anchor_calls(anchors, g2)
@@ -747,8 +748,7 @@ class LayerCapture:
                 rand_ok=sel.rand_ok & rand_fields))
             d_adj = jump = None
         else:
-            v_rand = tangent_project(u_rand.reshape(-1, d).float(), zh.index_select(0, sel.b_pos))
-            d_rand = redundancy_distance(v_k.index_select(0, sel.b_pos), v_rand, cfg.eps_d)
+            d_rand = random_distance(u_rand.reshape(-1, d), zh, v_k, sel.b_pos, cfg.eps_d)
         if self.pool.pending and (self.batch is self.last_batch or self.pool.full()):
             self._flush_pool()
         return FieldReceipts(

@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-from atlas_tracking.receipts.field_chunk import adjacent_receipts
-from atlas_tracking.receipts.geometry import tangent_project
-from atlas_tracking.receipts.state2 import redundancy_distance
+from atlas_tracking.receipts.field_chunk import adjacent_receipts, random_distance
 
 POOL_SHARE = 0.1
 """The share of the memory free when a gate starts that every layer's kept competitor rows may take together."""
@@ -116,8 +114,7 @@ class CompetitorPool:
         for i, batch in enumerate(self.pending):
             u_adj, u_rand = fields[2 * i], fields[2 * i + 1]
             d_adj, jump = adjacent_receipts(u_adj[:, 0], batch.zh, batch.v_k, batch.field, batch.rho_k, eps_d)
-            v_rand = tangent_project(u_rand[:, 0].float(), batch.zh.index_select(0, batch.b_pos))
-            d_rand = redundancy_distance(batch.v_k.index_select(0, batch.b_pos), v_rand, eps_d)
+            d_rand = random_distance(u_rand[:, 0], batch.zh, batch.v_k, batch.b_pos, eps_d)
             windows = batch.rows.stop - batch.rows.start
             acc.sums[adj_b, batch.rows] += torch.where(batch.boundary, d_adj, 0.0).view(windows, -1).sum(-1)
             acc.sums[adj_i, batch.rows] += torch.where(batch.interior, d_adj, 0.0).view(windows, -1).sum(-1)

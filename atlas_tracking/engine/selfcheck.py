@@ -156,8 +156,8 @@ class SelfCheck:
         The cheap comparisons are kept per window (independent of how the canary is batched or sharded).
         Those that evaluate experts run once per gate, at the first tokens of the canary's first window: their
         fields (``sampled``, of :meth:`sample_groups`) ride in the capture's call for the competitors (with the active
-        set where the competitors are pooled), and in fused mode the experts' own forward runs once on those tokens. A structural mismatch shows at any token, and
-        the gate stays one forward pass.
+        set where the competitors are pooled), and in fused mode the experts' own forward runs once on those tokens.
+        A structural mismatch shows at any token, and the gate stays one forward pass.
         """
         layer, call = self.layer, self._call
         self._call = None

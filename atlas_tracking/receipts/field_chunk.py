@@ -56,8 +56,9 @@ def chunk_receipts(
     """The per-token receipts of one chunk of ``n`` tokens.
 
     ``u_active`` ``[n, k, d]`` the active fields and ``u_adj`` ``[n, d]`` the adjacent competitor's, in the model's
-    dtype (None: the distance and the jump are left to :func:`adjacent_receipts`, once that field is evaluated); ``zh`` ``[n, d]`` the unit states; ``rho``, ``s_active`` and ``carriers`` ``[n, k]`` the renormalised
-    routing weights, selection scores and field-carrier mask of the active slots; ``pos_k`` ``[n]`` the slot of
+    dtype (None: the distance and the jump are left to :func:`adjacent_receipts`, once that field is evaluated);
+    ``zh`` ``[n, d]`` the unit states; ``rho``, ``s_active`` and ``carriers`` ``[n, k]`` the renormalised routing
+    weights, selection scores and field-carrier mask of the active slots; ``pos_k`` ``[n]`` the slot of
     ``e_k`` and ``rho_k`` its weight; ``beta_adj``, ``eps_kappa``, ``eps_d`` the receipts' constants. With
     ``experts`` (``[n, k]``, the expert of each slot) the per-expert field sums of ``n_experts`` experts too.
     """
@@ -79,3 +80,12 @@ def adjacent_receipts(u_adj: torch.Tensor, zh: torch.Tensor, v_k: torch.Tensor, 
     v_k1 = tangent_project(u_adj.float(), zh)
     gap = (v_k - v_k1).norm(dim=-1)  # ||v_k - v_k1||: read by the distance and the jump
     return redundancy_distance(v_k, v_k1, eps_d, gap), jump_ratio(rho_k, gap, field)
+
+
+def random_distance(u_rand: torch.Tensor, zh: torch.Tensor, v_k: torch.Tensor, b_pos: torch.Tensor,
+                    eps_d: float) -> torch.Tensor:
+    """``[M]`` redundancy distance of ``e_k`` and the random competitor at the boundary candidates ``b_pos`` ``[M]``,
+    from that competitor's field ``u_rand`` ``[M, d]`` (the model's dtype), the chunk's unit states ``zh`` and the
+    tangent field of ``e_k``, ``v_k`` (``[n, d]``, every token)."""
+    v_rand = tangent_project(u_rand.float(), zh.index_select(0, b_pos))
+    return redundancy_distance(v_k.index_select(0, b_pos), v_rand, eps_d)
