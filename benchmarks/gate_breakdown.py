@@ -7,7 +7,8 @@ gate (no baseline, eager field arithmetic) split into: the experts' products (th
 model's own experts code computes them, with the self-check's sample in the same pass,
 ``adapters/grouped_experts.py``, and each layer's competitors in one pooled call, ``engine/pooled_competitors.py``),
 the per-token field arithmetic (``receipts/field_chunk.py``), the re-route of the post-update state for ``ov_cf``
-(the model's norm and router), the self-check, and the rest. Each part is
+(the model's norm and router), the self-check, the report built on the host from the read-back (``build_report``:
+the window bootstrap of every receipt), and the rest. Each part is
 timed by wrapping the engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few
 microseconds a call, falls into the parts), the passes interleaved, the medians of ``--repeats``; every part is
 also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
@@ -22,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ import torch
 from atlas_tracking import AtlasConfig, measure
 from atlas_tracking.adapters.hf import HFLayer
 from atlas_tracking.engine import capture, pooled_competitors
+from atlas_tracking.engine import measure as measure_module
 from atlas_tracking.engine.kernels import ChunkKernels
 from atlas_tracking.engine.selfcheck import SelfCheck
 from atlas_tracking.testing.bench import gate_bench_inputs, plain_forward, write_result
@@ -71,14 +74,14 @@ class PartTimer:
         return {**self.seconds, "total": total, "rest": total - sum(self.seconds.values())}
 
 
-PARTS: list[tuple[type, str, str]] = [
+PARTS: list[tuple[type | ModuleType, str, str]] = [
     (HFLayer, "grouped_outputs", "experts"), (capture.LayerCapture, "_pair_call", "experts"),
     (HFLayer, "grouped_pair_outputs", "experts"), (ChunkKernels, "__call__", "field_arithmetic"),
     (pooled_competitors, "adjacent_receipts", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
     (SelfCheck, "observe", "selfcheck"), (capture.LayerCapture, "compute", "receipts_per_window"),
-    (capture.LayerCapture, "select", "selection"),
+    (capture.LayerCapture, "select", "selection"), (measure_module, "build_report", "report"),
 ]
-"""The engine's functions a gate's parts are timed in: (class, function, part)."""
+"""The engine's functions a gate's parts are timed in: (class or module, function, part)."""
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ from atlas_tracking import AtlasConfig, Canary, measure
 from atlas_tracking.testing.demo import demo_canary
 from atlas_tracking.testing.lightning_lm import build_qwen3_moe
 
-GATE_PARTS = {"experts", "field_arithmetic", "reroute_ov_cf", "selfcheck", "receipts_per_window", "selection"}
+GATE_PARTS = {"experts", "field_arithmetic", "reroute_ov_cf", "selfcheck", "receipts_per_window", "selection",
+              "report"}
 
 
 def _busy(seconds: float) -> None:
