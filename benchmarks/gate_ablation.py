@@ -5,12 +5,13 @@ initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width
 in micro-batches of 8 windows, the user seconds of a plain no-grad forward, of a gate (no baseline, eager field
 arithmetic) and of the gate with parts replaced by stand-ins that cost nothing: the competitors' and the self-check
 sample's products (``pairs``: the active fields still come from the experts' own products; the pooled competitors'
-call too), the field arithmetic (``chunk``, the pooled competitors' distances too), the re-route for ``ov_cf``
-(``reroute``), the per-window sums with the re-route (``compute``), the self-check's comparisons (``observe``), and
-all of them at once (``all``). The stand-ins return zeros, so those gates' receipts are wrong and their self-check is
-not judged: a benchmark-only instrument, for timing alone. One process, one torch thread, the passes interleaved,
-the medians of ``--repeats`` of each pass's ratio to the plain forward next to it. User seconds: the system seconds of page faults land on whichever pass finds freed memory gone
-(``gate_fresh_processes.py``). Results in ``benchmarks/RESULTS.md`` (v).
+call too), the field arithmetic (``chunk``: the chunks' and the competitors' distances, pooled or not), the re-route
+for ``ov_cf`` (``reroute``), the per-window sums with the re-route (``compute``), the self-check's comparisons
+(``observe``), and all of them at once (``all``). The stand-ins return zeros, so those gates' receipts are wrong and
+their self-check is not judged: a benchmark-only instrument, for timing alone. One process, one torch thread, the
+passes interleaved, the medians of ``--repeats`` of each pass's ratio to the plain forward next to it. User seconds:
+the system seconds of page faults land on whichever pass finds freed memory gone (``gate_fresh_processes.py``).
+Results in ``benchmarks/RESULTS.md`` (v).
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def _zero_adjacent(u_adj: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch
     return zeros, zeros
 
 
+def _zero_random(u_rand: torch.Tensor, zh: torch.Tensor, v_k: torch.Tensor, b_pos: torch.Tensor, eps_d: float
+                 ) -> torch.Tensor:
+    return torch.zeros(len(b_pos), device=b_pos.device)
+
+
 def _zero_pairs(self: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     return [rows.new_zeros((*e.shape, rows.shape[-1])) for rows, e in pairs]
 
@@ -78,7 +84,8 @@ def _summaries_only(layers: list[Any], hosts: list[dict[str, Any]], owned: list[
 
 STAND_INS: dict[str, list[tuple[Any, str, Any]]] = {
     "pairs": [(capture.LayerCapture, "_grouped_call", _active_only), (HFLayer, "grouped_pair_outputs", _zero_pairs)],
-    "chunk": [(kernels.ChunkKernels, "__call__", _zero_chunk), (pooled_competitors, "adjacent_receipts", _zero_adjacent)],
+    "chunk": [(kernels.ChunkKernels, "__call__", _zero_chunk), (pooled_competitors, "adjacent_receipts", _zero_adjacent),
+              (pooled_competitors, "random_distance", _zero_random), (capture, "random_distance", _zero_random)],
     "reroute": [(HFLayer, "route_active", _no_reroute)],
     "compute": [(capture.LayerCapture, "compute", _stash_only)],
     "observe": [(selfcheck.SelfCheck, "observe", lambda self, *a, **k: None)],

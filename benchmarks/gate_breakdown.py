@@ -1,17 +1,17 @@
 """Where a gate's time goes beyond the plain forward, part by part, in one process.
 
 ``python benchmarks/gate_breakdown.py --width 64`` writes ``benchmarks/gate_breakdown_w64.json``: for a freshly
-initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token
-canary in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a
-gate (no baseline, eager field arithmetic) split into: the experts' products (the active fields, read as the
-model's own experts code computes them, with the self-check's sample in the same pass,
-``adapters/grouped_experts.py``, and each layer's competitors in one pooled call, ``engine/pooled_competitors.py``),
-the per-token field arithmetic (``receipts/field_chunk.py``), the re-route of the post-update state for ``ov_cf``
-(the model's norm and router), the self-check, the report built on the host from the read-back (``build_report``:
-the window bootstrap of every receipt), and the rest. Each part is
-timed by wrapping the engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few
-microseconds a call, falls into the parts), the passes interleaved, the medians of ``--repeats``; every part is
-also given over the plain forward's time. One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
+initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token canary
+in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a gate
+(no baseline, eager field arithmetic) split into: the experts' products (the active fields, read as the model's own
+experts code computes them, with the self-check's sample in the same pass, ``adapters/grouped_experts.py``, and each
+layer's competitors in one pooled call, ``engine/pooled_competitors.py``), the per-token field arithmetic
+(``receipts/field_chunk.py``: the chunks' and the competitors' distances), the re-route of the post-update state for
+``ov_cf`` (the model's norm and router), the self-check, the report built on the host from the read-back
+(``build_report``: the window bootstrap of every receipt), and the rest. Each part is timed by wrapping the engine's
+functions for the run (a benchmark-only instrument: the timers' own cost, a few microseconds a call, falls into the
+parts), the passes interleaved, the medians of ``--repeats``; every part is also given over the plain forward's time.
+One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class PartTimer:
 PARTS: list[tuple[type | ModuleType, str, str]] = [
     (HFLayer, "grouped_outputs", "experts"), (capture.LayerCapture, "_pair_call", "experts"),
     (HFLayer, "grouped_pair_outputs", "experts"), (ChunkKernels, "__call__", "field_arithmetic"),
-    (pooled_competitors, "adjacent_receipts", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
+    (pooled_competitors, "adjacent_receipts", "field_arithmetic"), (pooled_competitors, "random_distance",
+    "field_arithmetic"), (capture, "random_distance", "field_arithmetic"), (HFLayer, "route_active", "reroute_ov_cf"),
     (SelfCheck, "observe", "selfcheck"), (capture.LayerCapture, "compute", "receipts_per_window"),
     (capture.LayerCapture, "select", "selection"), (measure_module, "build_report", "report"),
 ]
