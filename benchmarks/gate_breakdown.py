@@ -1,17 +1,18 @@
 """Where a gate's time goes beyond the plain forward, part by part, in one process.
 
 ``python benchmarks/gate_breakdown.py --width 64`` writes ``benchmarks/gate_breakdown_w64.json``: for a freshly
-initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token canary
-in micro-batches of 8 windows, the CPU seconds of a plain no-grad forward and of its experts' calls, and of a gate
-(no baseline, eager field arithmetic) split into: the experts' products (the active fields, read as the model's own
-experts code computes them, with the self-check's sample in the same pass, ``adapters/grouped_experts.py``, and each
-layer's competitors in one pooled call, ``engine/pooled_competitors.py``), the per-token field arithmetic
-(``receipts/field_chunk.py``: the chunks' and the competitors' distances), the re-route of the post-update state for
-``ov_cf`` (the model's norm and router), the self-check, the report built on the host from the read-back
-(``build_report``: the window bootstrap of every receipt), and the rest. Each part is timed by wrapping the engine's
-functions for the run (a benchmark-only instrument: the timers' own cost, a few microseconds a call, falls into the
-parts), the passes interleaved, the medians of ``--repeats``; every part is also given over the plain forward's time.
-One torch thread. Results in ``benchmarks/RESULTS.md`` (t) and (u).
+initialised Qwen3-MoE (24 routed layers x 128 experts, k = 8, float32, ``--width`` wide) over a 32 x 128-token canary in
+micro-batches of 8 windows (``--batch-windows``, in both passes), the CPU seconds of a plain no-grad forward and of its
+experts' calls, and of a gate (no baseline, eager field arithmetic) split into: the experts' products (the active
+fields, read as the model's own experts code computes them, with the self-check's sample in the same pass,
+``adapters/grouped_experts.py``, and each layer's competitors in one pooled call, ``engine/pooled_competitors.py``), the
+per-token field arithmetic (``receipts/field_chunk.py``: the chunks' and the competitors' distances), the re-route of
+the post-update state for ``ov_cf`` (the model's norm and router), the self-check, the report built on the host from the
+read-back (``build_report``: the window bootstrap of every receipt), and the rest. Each part is timed by wrapping the
+engine's functions for the run (a benchmark-only instrument: the timers' own cost, a few microseconds a call, falls into
+the parts), the passes interleaved, the medians of ``--repeats``; every part is also given over the plain forward's
+time. One torch thread; the result names the host's CPU. Results in ``benchmarks/RESULTS.md`` (t), (u), (z) and
+(aa).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from atlas_tracking.engine import capture, pooled_competitors
 from atlas_tracking.engine import measure as measure_module
 from atlas_tracking.engine.kernels import ChunkKernels
 from atlas_tracking.engine.selfcheck import SelfCheck
-from atlas_tracking.testing.bench import gate_bench_inputs, plain_forward, write_result
+from atlas_tracking.testing.bench import gate_bench_inputs, host_description, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
@@ -115,12 +116,12 @@ def own_experts_timed(timer: PartTimer, experts: list[torch.nn.Module], run: Cal
                 module.forward = forward
 
 
-def one_width(width: int, repeats: int) -> dict[str, Any]:
+def one_width(width: int, repeats: int, batch: int = BATCH) -> dict[str, Any]:
     model, canary = gate_bench_inputs(width, LAYERS, EXPERTS, TOP_K, WINDOWS)
-    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": BATCH}})
+    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": "eager", "batch_windows": batch}})
     timer = PartTimer()
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
-    passes = {"plain": lambda: own_experts_timed(timer, experts, lambda: plain_forward(model, canary, BATCH)),
+    passes = {"plain": lambda: own_experts_timed(timer, experts, lambda: plain_forward(model, canary, batch)),
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
     with instrumented(timer):
@@ -147,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-windows", type=int, default=BATCH, help="canary windows a forward call (both passes)")
     ap.add_argument("--out", default=None, help="default benchmarks/gate_breakdown_w{width}.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"torch_threads": 1, "repeats": args.repeats, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K,
-              "width": args.width, "canary_windows": WINDOWS, "batch_windows": BATCH, "kernels": "eager",
-              **one_width(args.width, args.repeats)}
+    result = {"host": host_description(), "torch_threads": 1, "repeats": args.repeats, "layers": LAYERS,
+              "experts": EXPERTS, "top_k": TOP_K, "width": args.width, "canary_windows": WINDOWS,
+              "batch_windows": args.batch_windows, "kernels": "eager",
+              **one_width(args.width, args.repeats, args.batch_windows)}
     write_result(result, args.out or HERE / f"gate_breakdown_w{args.width}.json")
     return 0
 

@@ -8,7 +8,8 @@ up, then times a plain no-grad forward and a gate (no baseline, ``--kernels`` fi
 ``--repeats`` times (CPU seconds, one torch thread) and reports the median of each repeat's gate / forward ratio, of
 CPU seconds (``paired``, user and system) and of user seconds alone (``paired_user``), with each pass's median
 system seconds and minor page faults: a host whose allocator returns freed memory to the system makes whichever
-pass finds it gone fault it back, in system time.
+pass finds it gone fault it back, in system time. The result names the host's CPU (``host``): the ratio differs
+between hosts. A commit from before ``receipts.kernels`` is measured as it computed, eagerly.
 
 Why fresh processes: one process holding both commits' gates (``gate_before_after.py``) leaves each gate the other's
 freed memory, and on a host whose allocator returns freed memory to the system the gates' large temporaries then
@@ -19,6 +20,7 @@ would, alone with its model. Results in ``benchmarks/RESULTS.md`` (u), with user
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -51,11 +53,17 @@ def child(width: int, repeats: int, kernels: str) -> dict[str, Any]:
 
     import atlas_tracking
     from atlas_tracking import AtlasConfig, measure
+    from atlas_tracking.schema.config import ReceiptsConfig
 
     torch.set_num_threads(1)
     bench = instrument()
     model, canary = bench.gate_bench_inputs(width, LAYERS, EXPERTS, TOP_K, WINDOWS)
-    cfg = AtlasConfig.from_dict({"receipts": {"progress": False, "kernels": kernels, "batch_windows": BATCH}})
+    receipts = {"progress": False, "batch_windows": BATCH}
+    if "kernels" in {f.name for f in dataclasses.fields(ReceiptsConfig)}:
+        receipts["kernels"] = kernels
+    elif kernels != "eager":  # a commit before receipts.kernels computed eagerly
+        raise ValueError(f"the package at {atlas_tracking.__file__} has no receipts.kernels to set to {kernels}")
+    cfg = AtlasConfig.from_dict({"receipts": receipts})
     passes = {"plain": lambda: bench.plain_forward(model, canary, BATCH),
               "gate": lambda: measure(model, canary, config=cfg, keep_anchors=False)}
     for run in passes.values():  # the warm-up (and a compile)
@@ -86,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         ap.error("--before is required")
-    from atlas_tracking.testing.bench import (
-        package_tree_at,  # here, not in a child: it imports an earlier package
+    from atlas_tracking.testing.bench import (  # here, not in a child: it imports an earlier package
+        host_description,
+        package_tree_at,
     )
 
     roots = {"before": package_tree_at(args.before, Path(tempfile.mkdtemp()), HERE.parent), "after": HERE.parent}
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "before": args.before, "width": args.width, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K,
         "canary_windows": WINDOWS, "batch_windows": BATCH, "kernels": args.kernels, "torch_threads": 1,
-        "processes": args.processes, "repeats": args.repeats,
+        "processes": args.processes, "repeats": args.repeats, "host": host_description(),
         "gate_over_plain": {name: statistics.median(r["paired"] for r in rs) for name, rs in runs.items()},
         "gate_over_plain_spread": {name: [min(r["paired"] for r in rs), max(r["paired"] for r in rs)]
                                    for name, rs in runs.items()},

@@ -22,12 +22,16 @@ Example:
     }
     >>> out.read_text()
     '{\\n "ratio": 1.5\\n}\\n'
+    >>> sorted(host_description())
+    ['cores', 'cpu', 'vector_units']
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -95,6 +99,26 @@ def gate_bench_inputs(width: int, layers: int = 24, experts: int = 128, top_k: i
 
     model = build_qwen3_moe(seed=0, hidden=width, layers=layers, experts=experts, top_k=top_k, aux_coef=0.0).eval()
     return model, Canary.from_token_ids(demo_canary().windows.reshape(-1), window=128, n_windows=windows, seed=0)
+
+
+VECTOR_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+"""The CPU flags that decide how fast a float32 matrix product runs, named in a benchmark's host."""
+
+
+def host_description() -> dict[str, Any]:
+    """The CPU a benchmark ran on: its model name and which of :data:`VECTOR_UNITS` it has (Linux's
+    ``/proc/cpuinfo``; the machine type elsewhere), and the cores this process may use. Ratios to the plain forward
+    differ between hosts: a host whose matrix products are slower gives the gate's other work a smaller share."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]  # the first processor's entry
+        info = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "vector_units": [unit for unit in VECTOR_UNITS if unit in flags], "cores": cores}
 
 
 def write_result(result: dict[str, Any], out: str | Path) -> None:
