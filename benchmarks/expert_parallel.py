@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 import atlas_tracking.testing.parallel_models as pm
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
 from atlas_tracking.engine.measure import micro_batches
+from atlas_tracking.testing.bench import host_description
 from atlas_tracking.testing.distributed import run_workers
 from atlas_tracking.testing.tolerance import FLOAT_TOL, deviations
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     results: dict[str, Any] = {**previous,
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "threads_per_process": 1,
+        "cpu": host_description()["cpu"], "torch": torch.__version__, "threads_per_process": 1,
         "canary": f"{N_WINDOWS} windows x {WINDOW} tokens, {BATCH_WINDOWS} windows per micro-batch",
         "models": {"deepspeed": "DeepSpeed MoE: d=64, 2 layers, E=8, k=2, capacity factor 1 (eval)",
                    "autoep": "Qwen3-MoE with AutoEP layers: d=64, 2 layers, E=8, k=2",

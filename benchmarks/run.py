@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from atlas_tracking import AtlasConfig, Baseline, Canary, measure
+from atlas_tracking.testing.bench import host_description
 
 HERE = Path(__file__).resolve().parent
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     model, canary = demo_model(device=args.device), demo_canary()
     results = {
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "cpu": host_description()["cpu"], "threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": "demo Qwen3-MoE: d=64, 4 routed layers, E=32, k=2",
     }
     print("(a) gate vs plain forward ...", flush=True)
