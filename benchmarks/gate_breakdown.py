@@ -35,7 +35,7 @@ from atlas_tracking.engine import capture, pooled_competitors
 from atlas_tracking.engine import measure as measure_module
 from atlas_tracking.engine.kernels import ChunkKernels
 from atlas_tracking.engine.selfcheck import SelfCheck
-from atlas_tracking.testing.bench import gate_bench_inputs, host_description, plain_forward, write_result
+from atlas_tracking.testing.bench import gate_bench_inputs, plain_forward, write_result
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, WINDOWS, BATCH = 24, 128, 8, 32, 8
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="default benchmarks/gate_breakdown_w{width}.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"host": host_description(), "torch_threads": 1, "repeats": args.repeats, "layers": LAYERS,
+    result = {"torch_threads": 1, "repeats": args.repeats, "layers": LAYERS,
               "experts": EXPERTS, "top_k": TOP_K, "width": args.width, "canary_windows": WINDOWS,
               "batch_windows": args.batch_windows, "kernels": "eager",
               **one_width(args.width, args.repeats, args.batch_windows)}

@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.before is None:
         ap.error("--before is required")
     from atlas_tracking.testing.bench import (  # here, not in a child: it imports an earlier package
-        host_description,
         package_tree_at,
+        write_result,
     )
 
     roots = {"before": package_tree_at(args.before, Path(tempfile.mkdtemp()), HERE.parent), "after": HERE.parent}
@@ -114,16 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "before": args.before, "width": args.width, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K,
         "canary_windows": WINDOWS, "batch_windows": BATCH, "kernels": args.kernels, "torch_threads": 1,
-        "processes": args.processes, "repeats": args.repeats, "host": host_description(),
+        "processes": args.processes, "repeats": args.repeats,
         "gate_over_plain": {name: statistics.median(r["paired"] for r in rs) for name, rs in runs.items()},
         "gate_over_plain_spread": {name: [min(r["paired"] for r in rs), max(r["paired"] for r in rs)]
                                    for name, rs in runs.items()},
         "gate_over_plain_user": {name: statistics.median(r["paired_user"] for r in rs) for name, rs in runs.items()},
         "runs": runs,
     }
-    text = json.dumps(result, indent=1)
-    Path(args.out or HERE / f"gate_fresh_processes_w{args.width}.json").write_text(text + "\n")
-    print(text)
+    write_result(result, args.out or HERE / f"gate_fresh_processes_w{args.width}.json")
     return 0
 
 

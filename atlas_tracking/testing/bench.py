@@ -15,15 +15,13 @@ Example:
     >>> start = reset_host_peak()   # Linux: None elsewhere
     >>> start is None or host_rss("VmHWM") >= start
     True
+    >>> import contextlib, io, json
     >>> out = Path(tempfile.mkdtemp()) / "r.json"
-    >>> write_result({"ratio": 1.5}, out)
-    {
-     "ratio": 1.5
-    }
-    >>> out.read_text()
-    '{\\n "ratio": 1.5\\n}\\n'
-    >>> sorted(host_description())
-    ['cores', 'cpu', 'vector_units']
+    >>> with contextlib.redirect_stdout(io.StringIO()) as printed:
+    ...     write_result({"ratio": 1.5}, out)
+    >>> result = json.loads(out.read_text())
+    >>> result["ratio"], sorted(result["host"]), printed.getvalue() == out.read_text()
+    (1.5, ['cores', 'cpu', 'vector_units'], True)
 """
 
 from __future__ import annotations
@@ -122,8 +120,10 @@ def host_description() -> dict[str, Any]:
 
 
 def write_result(result: dict[str, Any], out: str | Path) -> None:
-    """Write a benchmark's result as JSON to ``out`` and print it."""
-    text = json.dumps(result, indent=1)
+    """Write a benchmark's result as JSON to ``out`` and print it, with the host it ran on
+    (:func:`host_description`) as ``host`` where the result does not name one: a ratio read on one CPU is not
+    another's."""
+    text = json.dumps({**result, "host": result.get("host") or host_description()}, indent=1)
     Path(out).write_text(text + "\n")
     print(text)
 
