@@ -350,13 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         return child(Path(args.root), args.max_steps, args.arm)
     import tempfile
 
+    from atlas_tracking.testing.bench import write_result
+
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="atlas-crash-"))
     if args.seeds:
         result = {"root": str(root), **run_seeds(root, args.kills, args.seeds, jobs=args.jobs)}
     else:
         result = {"root": str(root), "seed": args.seed, **run(root, args.kills, args.seed)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 
