@@ -5,8 +5,9 @@ canaries most tests measure. Reusable model builders, data and harnesses live in
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -46,3 +47,29 @@ def mlflow_server(tmp_path):
     server.start()
     yield server
     server.stop()
+
+
+def _starts_in_background(item: pytest.Item) -> bool:
+    """Whether ``item``'s module starts long runs for its tests at the session's start (``start_in_background``)."""
+    return hasattr(getattr(item, "module", None), "start_in_background")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of modules whose runs start in the background (:func:`background_runs`) come last, in their order:
+    by the time they wait for their runs, the rest of the suite has run beside them."""
+    items.sort(key=_starts_in_background)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict[Path, dict[object, tuple[subprocess.Popen, Path]]]]:
+    """With the session's first test, each selected module's ``start_in_background(tmp_path_factory)`` (its runs,
+    ``{key: (process, output folder)}``, started at the lowest CPU priority), by the module's file; a run still going
+    when the session ends is killed."""
+    modules = {item.module for item in request.session.items if _starts_in_background(item)}
+    started = {Path(module.__file__): module.start_in_background(tmp_path_factory) for module in modules}
+    yield started
+    for runs in started.values():
+        for proc, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()

@@ -12,6 +12,7 @@ with the trackers and the report; two more seeds run bare, all three side by sid
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,12 +28,15 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNB
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
-    """The quick demo started in the background; its output goes to ``stdout.txt`` and ``stderr.txt`` under ``out``
-    (files, not pipes: a process that is not waited on yet never blocks on a full pipe)."""
+    """The quick demo started in the background at the lowest CPU priority (it takes the cores the rest of the suite
+    leaves idle, and the suite's own processes, timed ones included, come first); its output goes to ``stdout.txt``
+    and ``stderr.txt`` under ``out`` (files, not pipes: a process that is not waited on yet never blocks on a full
+    pipe)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
         return subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(out),
-                                 *args], env=ENV, stdout=stdout, stderr=stderr, text=True)
+                                 *args], env=ENV, stdout=stdout, stderr=stderr, text=True,
+                                preexec_fn=functools.partial(os.nice, 19))
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> Path:
@@ -52,19 +56,19 @@ def _records(out: Path, run: str) -> list[dict]:
 OTHER_SEEDS = (6, 7)
 
 
-@pytest.fixture(scope="module")
-def demos(tmp_path_factory) -> dict[int, tuple[subprocess.Popen, Path]]:
-    """The demo at seed 0 with the trackers and the report, and bare at every other seed, all started at once when
-    the first is asked for: each runs on one torch thread, so they share the machine's cores instead of waiting for
-    one another (seed 0 alone left one of two cores idle for its whole run)."""
+def start_in_background(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[subprocess.Popen, Path]]:
+    """The demo at seed 0 with the trackers and the report, and bare at every other seed, each on one torch thread.
+    ``tests/conftest.py`` starts them with the session's first test and runs this module's tests last, so the runs
+    use the cores the rest of the suite leaves idle instead of the suite waiting for them."""
     outs = {0: tmp_path_factory.mktemp("demo")} | {seed: tmp_path_factory.mktemp(f"demo_seed{seed}")
                                                     for seed in OTHER_SEEDS}
-    runs = {seed: (_start(out, *(("--seed", str(seed), "--no-trackers", "--no-extras") if seed else ())), out)
+    return {seed: (_start(out, *(("--seed", str(seed), "--no-trackers", "--no-extras") if seed else ())), out)
             for seed, out in outs.items()}
-    yield runs
-    for proc, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def demos(background_runs) -> dict[int, tuple[subprocess.Popen, Path]]:
+    return background_runs[Path(__file__)]
 
 
 @pytest.fixture(scope="module")
