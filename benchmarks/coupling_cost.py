@@ -3,7 +3,7 @@
 ``python benchmarks/coupling_cost.py`` writes ``benchmarks/coupling_cost.json``: CPU seconds of a gate (fused mode, no
 baseline) and of a gate against a baseline, each run as it ships and with the coupling work taken out (the capture's
 per-micro-batch sums, ``engine.capture.LayerCapture._add_coupling`` and ``receipts.coupling.field_sum``/``window_sums``,
-and the host's ``alignment_receipts`` replaced by no-ops for that pass only), for a freshly initialised Qwen3-MoE of
+and the host's ``alignment_receipts_of`` replaced by no-ops for that pass only), for a freshly initialised Qwen3-MoE of
 width 64 (``--width``) with k = 8, 24 routed layers x 128 experts, over a 32 x 128-token canary (as ``benchmarks/gate_profile.py``).
 One torch thread, the four passes interleaved, the medians of ``--repeats``; ``overhead`` is the ratio of the medians
 minus 1, ``overhead_paired`` the median of each repeat's own ratio minus 1.
@@ -34,13 +34,13 @@ LAYERS, EXPERTS, WIDTH, TOP_K, WINDOWS, WINDOW = 24, 128, 64, 8, 32, 128
 @contextlib.contextmanager
 def without_coupling() -> Iterator[None]:
     """The gate with its coupling work replaced by no-ops (for the comparison pass only)."""
-    saved = (capture.LayerCapture._unit_rows, windows.alignment_receipts)
+    saved = (capture.LayerCapture._unit_rows, windows.alignment_receipts_of)
     capture.LayerCapture._unit_rows = lambda self, device: None  # no rows: no sums in the capture
-    windows.alignment_receipts = lambda *args, **kwargs: ({}, {})
+    windows.alignment_receipts_of = lambda entries, *args: [({}, {})] * len(entries)
     try:
         yield
     finally:
-        capture.LayerCapture._unit_rows, windows.alignment_receipts = saved
+        capture.LayerCapture._unit_rows, windows.alignment_receipts_of = saved
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,11 +36,14 @@ from atlas_tracking.receipts.stats import (
     diff_ci,
     float_multiplicity,
     percentile_ci,
+    percentile_cis,
+    pooled_ratios,
     ratio,
     ratio_ci,
+    ratio_sample_matrix,
     ratio_samples,
 )
-from atlas_tracking.receipts.windows import layer_receipts, summary
+from atlas_tracking.receipts.windows import layers_receipts, summary
 from atlas_tracking.schema.artifacts import DRIFT_RECEIPTS
 
 F = TypeVar("F", bound=Callable)
@@ -79,11 +82,10 @@ def derive(
     idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
     level = receipts_cfg["ci_level"]
     layers = []
-    for i, meta in enumerate(layer_meta):
-        pw = per_window["layers"][i]
-        values, cis = layer_receipts(
-            pw, per_window["cell_counts"][i], n_windows * window, receipts_cfg["beta_pi"], idx, level
-        )
+    every = range(len(layer_meta))  # an artifact with fewer per-window layers than layers raises, as verify reads it
+    derived = layers_receipts([per_window["layers"][i] for i in every], [per_window["cell_counts"][i] for i in every],
+                              n_windows * window, receipts_cfg["beta_pi"], idx, level)
+    for i, (meta, (values, cis)) in enumerate(zip(layer_meta, derived)):
         if exact is not None:
             values.update(exact[i])
         layers.append({**meta, "receipts": values, "ci": cis})
@@ -119,47 +121,8 @@ def derive_drift(
     n_windows = len(per_window["canary_nll"]["sum"])
     idx = bootstrap_indices(n_windows, receipts_cfg["n_bootstrap"], receipts_cfg["seed"])
     level, q = receipts_cfg["ci_level"], receipts_cfg["boundary_q"]
-    out_layers = []
-    delta_samples = []
-    occ_samples = []
-    for layer, lpw, bpw in zip(layers, per_window["layers"], base_pw["layers"]):
-        entry: dict[str, Any] = {"name": layer["name"], "ordinal": layer["ordinal"], "protected": layer["protected"]}
-        ci: dict[str, Any] = {}
-        for name in DRIFT_RECEIPTS:
-            s, c = np.asarray(lpw["drift"][name]["sum"], float), np.asarray(lpw["drift"][name]["count"], float)
-            entry[name] = ratio(s, c)
-            ci[name] = list(ratio_ci(s, c, idx, level))
-        changed = np.asarray(lpw["drift"]["anchors_changed"], float)
-        in_b = np.asarray(lpw["drift"]["anchors_changed_in_boundary"], float)
-        valid = np.asarray(bpw["valid"], dtype=np.int64)
-        q_eff = np.array([boundary_count(int(t), q) / t if t > 0 else 0.0 for t in valid])
-        entry["boundary_change_share"] = ratio(in_b, changed)
-        entry["boundary_change_null"] = ratio(changed * q_eff, changed)
-        ci["boundary_change_share"] = list(ratio_ci(in_b, changed, idx, level))
-        now_c2, base_c2 = lpw["c2"], bpw["c2"]
-        entry["c2_delta"] = ratio(np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float)) - ratio(
-            np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float)
-        )
-        ci["c2_delta"] = list(
-            diff_ci(
-                np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float),
-                np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx, level,
-            )
-        )
-        delta_samples.append(
-            ratio_samples(np.asarray(now_c2["sum"], float), np.asarray(now_c2["count"], float), idx)
-            - ratio_samples(np.asarray(base_c2["sum"], float), np.asarray(base_c2["count"], float), idx)
-        )
-        occ = occupancy_samples(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx)
-        occ_samples.append(occ)
-        for key, now in occ["now"].items():
-            diff = now - occ["base"][key]
-            entry[f"{key}_delta"] = float(diff[0])
-            ci[f"{key}_delta"] = list(percentile_ci(diff[1:], level))
-        if "comove" in lpw:
-            entry.update(_comovement(lpw["comove"]))
-        entry["ci"] = ci
-        out_layers.append(entry)
+    out_layers, delta_samples, occ_samples = _layer_drift(layers, per_window["layers"], base_pw["layers"], idx, level,
+                                                          q)
     protected = [layer["ordinal"] for layer in layers if layer["protected"]]
     now = [layer["receipts"] for layer in layers]
     lc = lifecycle_cfg
@@ -193,6 +156,56 @@ def derive_drift(
             **({"base": base} if base is not None else {}),
         }
     )
+
+
+def _layer_drift(layers: list[dict[str, Any]], now_pw: list[dict[str, Any]], base_pw: list[dict[str, Any]],
+                 idx: np.ndarray, level: float, q: float) -> tuple[list[dict[str, Any]], list[np.ndarray], list[dict]]:
+    """Per layer against the baseline: the drift functionals, the boundary concentration of the changed anchors, the
+    C2 delta and the occupancy deltas, each with its window-bootstrap CI; with each layer's resampled C2 deltas and
+    occupancy statistics (for the summaries). Every layer's ratios are resampled in one product and every CI is taken
+    in one quantile call."""
+    ratios = []  # (sums, counts) per layer: the drift functionals, the boundary share, C2 now, C2 at the baseline
+    for lpw, bpw in zip(now_pw, base_pw):
+        drift = lpw["drift"]
+        ratios += [(drift[name]["sum"], drift[name]["count"]) for name in DRIFT_RECEIPTS]
+        ratios += [(drift["anchors_changed_in_boundary"], drift["anchors_changed"]),
+                   (lpw["c2"]["sum"], lpw["c2"]["count"]), (bpw["c2"]["sum"], bpw["c2"]["count"])]
+    per_layer = len(DRIFT_RECEIPTS) + 3
+    sums, counts = (np.array([np.asarray(r[part], float) for r in ratios]).reshape(len(ratios), -1) for part in (0, 1))
+    pooled = pooled_ratios(sums, counts).tolist() if ratios else []
+    samples = ratio_sample_matrix(sums, counts, idx) if ratios else np.zeros((len(idx), 0))
+    columns, entries, delta_samples, occ_samples = [], [], [], []
+    for i, (layer, lpw, bpw) in enumerate(zip(layers, now_pw, base_pw)):
+        j = i * per_layer
+        entry: dict[str, Any] = {"name": layer["name"], "ordinal": layer["ordinal"], "protected": layer["protected"]}
+        names = [*DRIFT_RECEIPTS, "boundary_change_share"]
+        entry.update(zip(DRIFT_RECEIPTS, pooled[j : j + len(DRIFT_RECEIPTS)]))
+        changed = np.asarray(lpw["drift"]["anchors_changed"], float)
+        valid = np.asarray(bpw["valid"], dtype=np.int64)
+        q_eff = np.array([boundary_count(int(t), q) / t if t > 0 else 0.0 for t in valid])
+        entry["boundary_change_share"] = pooled[j + len(DRIFT_RECEIPTS)]
+        entry["boundary_change_null"] = ratio(changed * q_eff, changed)
+        entry["c2_delta"] = pooled[j + per_layer - 2] - pooled[j + per_layer - 1]
+        delta_samples.append(samples[:, j + per_layer - 2] - samples[:, j + per_layer - 1])
+        layer_columns = [samples[:, j + c] for c in range(len(names))] + [delta_samples[-1]]
+        names.append("c2_delta")
+        occ = occupancy_samples(np.asarray(lpw["load"]), np.asarray(bpw["load"]), idx)
+        occ_samples.append(occ)
+        for key in occ["now"]:
+            diff = occ["now"][key] - occ["base"][key]
+            entry[f"{key}_delta"] = float(diff[0])
+            layer_columns.append(diff[1:])
+            names.append(f"{key}_delta")
+        if "comove" in lpw:
+            entry.update(_comovement(lpw["comove"]))
+        columns += layer_columns
+        entries.append((entry, names))
+    bounds = iter(percentile_cis(np.column_stack(columns), level).tolist() if columns else [])
+    out_layers = []
+    for entry, names in entries:
+        entry["ci"] = {name: next(bounds) for name in names}
+        out_layers.append(entry)
+    return out_layers, delta_samples, occ_samples
 
 
 def _comovement(comove: dict[str, Any]) -> dict[str, Any]:

@@ -361,11 +361,7 @@ def build_report(
         if baseline is not None:
             pw["comove"] = comovement_entry(means[-1], baseline_means(baseline.tensors, i),
                                             AnchorStorage.of(baseline.storage).store_fields)
-    exact = []
-    for h in merged:
-        m = h["margin"][np.isfinite(h["margin"])].astype(np.float64)
-        q10, q50 = (np.quantile(m, [0.1, 0.5]).tolist() if m.size else [None, None])
-        exact.append({"margin_p10": q10, "margin_p50": q50})
+    exact = [dict(zip(("margin_p10", "margin_p50"), q)) for q in margin_quantiles([h["margin"] for h in merged])]
     layer_dicts, summ = derive(meta, per_window, canary.n_windows, canary.window, config.to_dict()["receipts"], exact)
     model_info = {
         "class": model_class_name(model),
@@ -410,6 +406,22 @@ def build_report(
             "kl": kl,
         }
     return report
+
+
+def margin_quantiles(margins: list[np.ndarray]) -> list[list[float | None]]:
+    """Each layer's exact ``[p10, p50]`` of its finite per-token margins (``[W, L]``, NaN where a token has none; None
+    for a layer with none), in float64; layers with as many finite margins in one quantile call.
+
+    >>> margin_quantiles([np.array([[0.1, 0.3], [0.2, np.nan]]), np.array([[0.4, 0.6], [0.5, 0.5]]), np.full((1, 2), np.nan)])
+    [[0.12000000000000001, 0.2], [0.43000000000000005, 0.5], [None, None]]
+    """
+    finite = [m[np.isfinite(m)].astype(np.float64) for m in margins]
+    out: list[list[float | None]] = [[None, None]] * len(finite)
+    for size in {m.size for m in finite} - {0}:
+        same = [i for i, m in enumerate(finite) if m.size == size]
+        for i, q in zip(same, np.quantile(np.stack([finite[i] for i in same]), [0.1, 0.5], axis=1).T.tolist()):
+            out[i] = q
+    return out
 
 
 def anchor_storage(rcfg: ReceiptsConfig, layers: list[RoutedLayer], anchors: AnchorPlan | None) -> AnchorStorage:

@@ -160,21 +160,42 @@ def alignment_receipts(entry: dict[str, Any], load: Any, idx: np.ndarray, level:
     >>> [None if a is None else round(a, 6) for a in vals["alignment"]], vals["alignment_negative"], vals["alignment_dead"]
     ([0.5, -0.3, None], 0.5, [2])
     """
-    dot, loads = np.asarray(entry["dot"], np.float64), np.asarray(load, np.float64)
-    res = np.asarray([np.nan if r is None else r for r in entry["resultant"]], np.float64)
-    row_norm = np.asarray(entry["row_norm"], np.float64)
-    a = alignment(dot, loads, res, row_norm)
-    point = _layer_stats(a)[0]
-    n_experts = dot.shape[1]
-    resampled = float_multiplicity(idx, len(dot)) @ np.concatenate([dot, loads], axis=1)  # one product for both
-    samples = _alignment(resampled[:, :n_experts], resampled[:, n_experts:], res, row_norm)
-    bounds = percentile_cis(_layer_stats(samples), level)
-    names = ("alignment_median", "alignment_p10", "alignment_negative")
-    values: dict[str, Any] = {"alignment": [_f(x) for x in a]}
-    values.update({name: _f(v) for name, v in zip(names, point)})
-    values["alignment_dead"] = [int(e) for e in np.flatnonzero(loads.sum(0) == 0)]
-    values["alignment_zero_rows"] = int((row_norm == 0).sum())
-    return values, {name: [_f(lo), _f(hi)] for name, (lo, hi) in zip(names, bounds)}
+    return alignment_receipts_of([entry], [load], idx, level)[0]
+
+
+_LAYER_FIGURES = ("alignment_median", "alignment_p10", "alignment_negative")
+
+
+def alignment_receipts_of(entries: list[dict[str, Any]], loads: list[Any], idx: np.ndarray, level: float
+                          ) -> list[tuple[dict, dict]]:
+    """:func:`alignment_receipts` of several layers (their ``entries`` and ``loads``), every CI taken in one quantile
+    call (each layer's resamples are formed on their own: a ``[resamples, experts]`` working set stays in cache).
+
+    >>> from atlas_tracking.receipts.stats import bootstrap_indices
+    >>> idx = bootstrap_indices(2, 50, 0)
+    >>> one = {"dot": [[0.5, -0.2], [0.4, -0.1]], "resultant": [0.9, 0.5], "row_norm": [1, 1]}
+    >>> two = {"dot": [[0.1, 0.2, 0.3]] * 2, "resultant": [0.3, 0.4, 0.5], "row_norm": [1, 1, 0]}
+    >>> both = alignment_receipts_of([one, two], [[[1, 1]] * 2, [[1, 1, 1]] * 2], idx, 0.95)
+    >>> both == [alignment_receipts(one, [[1, 1]] * 2, idx, 0.95), alignment_receipts(two, [[1, 1, 1]] * 2, idx, 0.95)]
+    True
+    """
+    out, samples = [], []
+    for entry, load in zip(entries, loads):
+        dot, counts = np.asarray(entry["dot"], np.float64), np.asarray(load, np.float64)
+        res = np.asarray([np.nan if r is None else r for r in entry["resultant"]], np.float64)
+        row_norm = np.asarray(entry["row_norm"], np.float64)
+        a = alignment(dot, counts, res, row_norm)
+        n_experts = dot.shape[1]
+        resampled = float_multiplicity(idx, len(dot)) @ np.concatenate([dot, counts], axis=1)  # one product for both
+        samples.append(_layer_stats(_alignment(resampled[:, :n_experts], resampled[:, n_experts:], res, row_norm)))
+        values: dict[str, Any] = {"alignment": [_f(x) for x in a]}
+        values.update({name: _f(v) for name, v in zip(_LAYER_FIGURES, _layer_stats(a)[0])})
+        values["alignment_dead"] = [int(e) for e in np.flatnonzero(counts.sum(0) == 0)]
+        values["alignment_zero_rows"] = int((row_norm == 0).sum())
+        out.append(values)
+    bounds = percentile_cis(np.concatenate(samples, axis=1), level).reshape(-1, len(_LAYER_FIGURES), 2) if samples else []
+    return [(values, {name: [_f(lo), _f(hi)] for name, (lo, hi) in zip(_LAYER_FIGURES, layer)})
+            for values, layer in zip(out, bounds)]
 
 
 def comovement_sums(now: dict[str, np.ndarray], base: dict[str, np.ndarray]) -> dict[str, list[float | None]]:

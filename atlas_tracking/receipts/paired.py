@@ -22,11 +22,10 @@ from atlas_tracking.receipts.stats import float_multiplicity
 
 def _occupancy_stats(loads: np.ndarray) -> dict[str, np.ndarray]:
     """Dead experts, router entropy and load CV of each row of ``loads [R, E]``."""
-    loads = loads.astype(np.float64)
+    loads = loads.astype(np.float64, copy=False)
     total = loads.sum(axis=1, keepdims=True)
     f = np.divide(loads, total, out=np.zeros_like(loads), where=total > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ent = -np.where(f > 0, f * np.log(np.where(f > 0, f, 1.0)), 0.0).sum(axis=1)
+    ent = -(f * np.log(f, out=np.zeros_like(f), where=f > 0)).sum(axis=1)  # 0 log 0 = 0
     mean = loads.mean(axis=1)
     cv = np.divide(loads.std(axis=1), mean, out=np.zeros_like(mean), where=mean > 0)
     return {"dead_experts": (loads == 0).sum(axis=1).astype(np.float64), "router_entropy": ent, "load_cv": cv}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from atlas_tracking.receipts.coupling import alignment_receipts
+from atlas_tracking.receipts.coupling import alignment_receipts_of
 from atlas_tracking.receipts.occupancy import cell_stats, occupancy_from_loads
 from atlas_tracking.receipts.state1 import NEAR_TIE_DTYPES
 from atlas_tracking.receipts.stats import (
@@ -75,7 +75,7 @@ __all__ = [
     "V2_AXES",
     "bootstrap_indices",
     "c2_absent",
-    "layer_receipts",
+    "layers_receipts",
     "median_receipt",
     "near_tie_tokens",
     "ratio_receipts",
@@ -99,28 +99,60 @@ def ratio_receipts(per_window: dict[str, Any], idx: np.ndarray, level: float,
     >>> round(vals["gap"], 3), vals["gap_pass"]
     (-0.45, True)
     """
-    axes = axes or {}
+    return ratio_receipts_of([(per_window, axes)], idx, level)[0]
+
+
+def _ratio_entries(per_window: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``{name: {"sum", "count"}}`` entries of a per-window dict, with its boundary masses (``boundary_mass@delta``)."""
     entries = {name: entry for name, entry in per_window.items() if isinstance(entry, dict) and "sum" in entry}
     entries.update({f"boundary_mass@{name}": entry for name, entry in per_window.get("boundary_mass", {}).items()})
-    values: dict[str, Any] = {}
-    cis: dict[str, Any] = {}
-    bounds: dict[str, list[float]] = {}
-    if entries:
-        sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in entries.values()])
-        counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in entries.values()])
-        values = {name: _f(v) for name, v in zip(entries, pooled_ratios(sums, counts).tolist())}
+    return entries
+
+
+def ratio_receipts_of(groups: list[tuple[dict[str, Any], dict[str, tuple[str, str]] | None]], idx: np.ndarray,
+                      level: float) -> list[tuple[dict, dict]]:
+    """:func:`ratio_receipts` of each ``(per_window, axes)`` of ``groups`` (every layer's receipts and near-tie shares
+    of a gate), all their entries resampled in one product and every CI taken in one quantile call.
+
+    >>> idx = bootstrap_indices(2, 50, 0)
+    >>> w = {"a": {"sum": [0.2, 0.1], "count": [1, 1]}, "b": {"sum": [0.5, 0.7], "count": [1, 1]}}
+    >>> one, two = ratio_receipts_of([(w, {"gap": ("a", "b")}), ({"c": w["b"]}, None)], idx, 0.95)
+    >>> one == ratio_receipts(w, idx, 0.95, {"gap": ("a", "b")}), two == ratio_receipts({"c": w["b"]}, idx, 0.95)
+    (True, True)
+    """
+    named = [_ratio_entries(per_window) for per_window, _ in groups]
+    flat = [entry for entries in named for entry in entries.values()]
+    pooled: list[float] = []
+    samples = np.zeros((len(idx), 0))
+    if flat:
+        sums = np.array([np.asarray(e["sum"], dtype=np.float64) for e in flat])
+        counts = np.array([np.asarray(e["count"], dtype=np.float64) for e in flat])
+        pooled = pooled_ratios(sums, counts).tolist()
         samples = ratio_sample_matrix(sums, counts, idx)
-        column = {name: j for j, name in enumerate(entries)}
-        paired = {axis: samples[:, column[a]] - samples[:, column[b]] for axis, (a, b) in axes.items()
-                  if values.get(a) is not None and values.get(b) is not None}
-        bounds = dict(zip([*entries, *paired], percentile_cis(np.column_stack([samples, *paired.values()]), level).tolist()))
-        cis = {name: [_f(lo), _f(hi)] for name, (lo, hi) in bounds.items() if name in entries}
-    for axis, (a, b) in axes.items():
-        lo, hi = bounds.get(axis, (math.nan, math.nan))
-        values[axis] = _f(values[a] - values[b]) if axis in bounds else None
-        cis[axis] = [_f(lo), _f(hi)]
-        values[axis + "_pass"] = bool(hi < 0) if math.isfinite(hi) else None
-    return values, cis
+    paired: list[np.ndarray] = []  # the axes' paired differences, as columns after the entries'
+    parts = []
+    start = 0
+    for (_, axes), entries in zip(groups, named):
+        column = {name: start + j for j, name in enumerate(entries)}
+        values: dict[str, Any] = {name: _f(pooled[j]) for name, j in column.items()}
+        axis_column = {}
+        for axis, (a, b) in (axes or {}).items():
+            if values.get(a) is not None and values.get(b) is not None:
+                axis_column[axis] = len(flat) + len(paired)
+                paired.append(samples[:, column[a]] - samples[:, column[b]])
+        parts.append((axes or {}, column, values, axis_column))
+        start += len(entries)
+    bounds = percentile_cis(np.column_stack([samples, *paired]), level).tolist() if flat else []
+    out = []
+    for axes, column, values, axis_column in parts:
+        cis: dict[str, Any] = {name: [_f(lo), _f(hi)] for name, (lo, hi) in ((n, bounds[j]) for n, j in column.items())}
+        for axis, (a, b) in axes.items():
+            lo, hi = bounds[axis_column[axis]] if axis in axis_column else (math.nan, math.nan)
+            values[axis] = _f(values[a] - values[b]) if axis in axis_column else None
+            cis[axis] = [_f(lo), _f(hi)]
+            values[axis + "_pass"] = bool(hi < 0) if math.isfinite(hi) else None
+        out.append((values, cis))
+    return out
 
 
 def _weighted_positions(window_of: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,48 +195,78 @@ def median_receipt(per_window_values: list[list[float]], idx: np.ndarray, level:
     >>> median_receipt([[0.4, 0.1], [0.3, 0.2]], bootstrap_indices(2, 20, 0), 0.95)[0]
     0.25
     """
+    est, samples = median_samples(per_window_values, idx)
+    return est, [_f(v) for v in percentile_ci(samples, level)]
+
+
+def median_samples(per_window_values: list[list[float]], idx: np.ndarray) -> tuple[float, np.ndarray]:
+    """:func:`median_receipt`'s estimate and its ``[resamples]`` bootstrap medians (NaN where a resample holds no
+    value; all NaN when no window holds one)."""
     lengths = [len(v) for v in per_window_values]
     flat = np.concatenate([np.asarray(v, dtype=np.float64) for v in per_window_values]) if sum(lengths) else np.zeros(0)
     if flat.size == 0:
-        return math.nan, [None, None]
+        return math.nan, np.full(len(idx), math.nan)
     window_of = np.repeat(np.arange(len(per_window_values)), lengths)
     order = np.argsort(flat, kind="stable")
     flat, window_of = flat[order], window_of[order]
     mult = float_multiplicity(idx, len(per_window_values))
     lower, upper, total = _weighted_positions(window_of, mult)
-    samples = np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
-    return float(np.median(flat)), [_f(v) for v in percentile_ci(samples, level)]
+    return float(np.median(flat)), np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
 
 
-def layer_receipts(
-    per_window: dict[str, Any], cell_counts: list[int], n_tokens: int, beta_pi: float, idx: np.ndarray, level: float
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """All per-window-derived receipts of one layer: occupancy, ratios, boundary mass, V2 axes."""
-    values, cis = ratio_receipts(per_window, idx, level, V2_AXES)
-    v2 = ({k: values.pop(k) for axis in V2_AXES for k in (axis, axis + "_pass")},
-          {axis: cis.pop(axis) for axis in V2_AXES})  # the V2 axes come last in a layer's receipts
-    if "near_tie" in per_window:
-        values["near_tie"], cis["near_tie"] = ratio_receipts(per_window["near_tie"], idx, level)
-        values["near_tie_tokens"] = near_tie_tokens(per_window["near_tie"])
-    loads = np.asarray(per_window["load"], dtype=np.int64)
-    p_mass = np.asarray(per_window["p_mass_total"], dtype=np.float64)
-    values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
-    values.update(cell_stats(np.asarray(cell_counts, dtype=np.int64)))
-    if "transition_jump" in per_window:
-        est, ci = median_receipt(per_window["transition_jump"], idx, level)
-        values["transition_incompat"], cis["transition_incompat"] = _f(est), ci
-    for key in COUNTERS:
-        if key in per_window:
-            values[key] = int(np.sum(per_window[key]))
-    if "absent" in per_window.get("alignment", {}):
-        values["alignment_absent"] = per_window["alignment"]["absent"]
-    elif "alignment" in per_window:
-        align, align_cis = alignment_receipts(per_window["alignment"], loads, idx, level)
-        values.update(align)
-        cis.update(align_cis)
-    values.update(v2[0])
-    cis.update(v2[1])
-    return values, cis
+def layers_receipts(per_window: list[dict[str, Any]], cell_counts: list[list[int]], n_tokens: int, beta_pi: float,
+                    idx: np.ndarray, level: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """All per-window-derived receipts of each layer of a gate (its ``per_window`` dict and ``cell_counts``):
+    occupancy, ratios, boundary mass, near-tie shares, the transition median, alignment and the V2 axes, with their
+    CIs. The layers' resamples are taken together (one product for the ratio receipts, one for the alignments) and
+    every CI of a kind in one quantile call: the values of one layer at a time (docs/receipts.md#statistics).
+
+    >>> idx = bootstrap_indices(2, 50, 0)
+    >>> pw = {"c2": {"sum": [0.5, 0.1], "count": [1, 1]}, "load": [[1, 1], [2, 0]], "p_mass_total": [2.0, 1.0],
+    ...       "transition_jump": [[0.2], [0.4, 0.1]]}
+    >>> (values, cis), = layers_receipts([pw], [[3]], 3, 1.0, idx, 0.95)
+    >>> round(values["c2"], 3), values["dead_experts"], values["transition_incompat"]
+    (0.3, 0, 0.2)
+    """
+    groups: list[tuple[dict[str, Any], dict[str, tuple[str, str]] | None]] = []
+    for pw in per_window:
+        groups += [(pw, V2_AXES), *([(pw["near_tie"], None)] if "near_tie" in pw else [])]
+    ratios = iter(ratio_receipts_of(groups, idx, level))
+    aligned = [i for i, pw in enumerate(per_window) if "alignment" in pw and "absent" not in pw["alignment"]]
+    alignments = dict(zip(aligned, alignment_receipts_of([per_window[i]["alignment"] for i in aligned],
+                                                         [per_window[i]["load"] for i in aligned], idx, level)))
+    jumps = [i for i, pw in enumerate(per_window) if "transition_jump" in pw]
+    medians = [median_samples(per_window[i]["transition_jump"], idx) for i in jumps]
+    median_cis = dict(zip(jumps, percentile_cis(np.column_stack([m[1] for m in medians]), level).tolist()
+                          if medians else []))
+    medians_of = dict(zip(jumps, (m[0] for m in medians)))
+    out = []
+    for i, (pw, cells) in enumerate(zip(per_window, cell_counts)):
+        values, cis = next(ratios)
+        v2 = ({k: values.pop(k) for axis in V2_AXES for k in (axis, axis + "_pass")},
+              {axis: cis.pop(axis) for axis in V2_AXES})  # the V2 axes come last in a layer's receipts
+        if "near_tie" in pw:
+            values["near_tie"], cis["near_tie"] = next(ratios)
+            values["near_tie_tokens"] = near_tie_tokens(pw["near_tie"])
+        loads = np.asarray(pw["load"], dtype=np.int64)
+        p_mass = np.asarray(pw["p_mass_total"], dtype=np.float64)
+        values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
+        values.update(cell_stats(np.asarray(cells, dtype=np.int64)))
+        if i in medians_of:
+            values["transition_incompat"] = _f(medians_of[i])
+            cis["transition_incompat"] = [_f(v) for v in median_cis[i]]
+        for key in COUNTERS:
+            if key in pw:
+                values[key] = int(np.sum(pw[key]))
+        if "absent" in pw.get("alignment", {}):
+            values["alignment_absent"] = pw["alignment"]["absent"]
+        elif i in alignments:
+            values.update(alignments[i][0])
+            cis.update(alignments[i][1])
+        values.update(v2[0])
+        cis.update(v2[1])
+        out.append((values, cis))
+    return out
 
 
 def near_tie_tokens(near_tie: dict[str, Any]) -> dict[str, int]:
