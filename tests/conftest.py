@@ -5,6 +5,8 @@ canaries most tests measure. Reusable model builders, data and harnesses live in
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -64,12 +66,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def background_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[dict[Path, dict[object, tuple[subprocess.Popen, Path]]]]:
     """With the session's first test, each selected module's ``start_in_background(tmp_path_factory)`` (its runs,
-    ``{key: (process, output folder)}``, started at the lowest CPU priority), by the module's file; a run still going
-    when the session ends is killed."""
+    ``{key: (process, output folder)}``, each process leading a process group of its own, started at the lowest CPU
+    priority), by the module's file; a run still going when the session ends is killed with its group."""
     modules = {item.module for item in request.session.items if _starts_in_background(item)}
     started = {Path(module.__file__): module.start_in_background(tmp_path_factory) for module in modules}
     yield started
     for runs in started.values():
         for proc, _ in runs.values():
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -12,10 +12,10 @@ with the trackers and the report; two more seeds run bare, all three side by sid
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from itertools import pairwise
@@ -27,16 +27,27 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
 
 
+def _lowest_priority() -> None:
+    """Run in a demo's process before it starts (it leads a session of its own): the lowest CPU priority for it and,
+    where the kernel schedules each session as a group (autogroup), for that group, so that the suite's own processes,
+    timed ones and servers in sessions of their own included, come first. Without autogroup the process's own nice is
+    the one that applies and there is no group to set."""
+    os.nice(19)
+    if os.path.exists("/proc/self/autogroup"):
+        with open("/proc/self/autogroup", "w") as group:
+            group.write("19")
+
+
 def _start(out: Path, *args: str) -> subprocess.Popen:
-    """The quick demo started in the background at the lowest CPU priority (it takes the cores the rest of the suite
-    leaves idle, and the suite's own processes, timed ones included, come first); its output goes to ``stdout.txt``
+    """The quick demo started in the background at the lowest CPU priority (:func:`_lowest_priority`: it takes the
+    cores the rest of the suite leaves idle), leading a process group of its own; its output goes to ``stdout.txt``
     and ``stderr.txt`` under ``out`` (files, not pipes: a process that is not waited on yet never blocks on a full
     pipe)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
         return subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--quick", "--out", str(out),
-                                 *args], env=ENV, stdout=stdout, stderr=stderr, text=True,
-                                preexec_fn=functools.partial(os.nice, 19))
+                                 *args], env=ENV, stdout=stdout, stderr=stderr, text=True, start_new_session=True,
+                                preexec_fn=_lowest_priority)
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> Path:
@@ -44,7 +55,7 @@ def _finish(proc: subprocess.Popen, out: Path) -> Path:
         proc.wait(timeout=2400)  # three demos share the cores: seed 0 alone took 10 minutes
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, (out / "stderr.txt").read_text()[-3000:]
     return out
 
@@ -57,7 +68,8 @@ OTHER_SEEDS = (6, 7)
 
 
 def start_in_background(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[subprocess.Popen, Path]]:
-    """The demo at seed 0 with the trackers and the report, and bare at every other seed, each on one torch thread.
+    """The demo at seed 0 with the trackers and the report, and bare at every other seed, each on one torch thread and
+    leading a process group of its own.
     ``tests/conftest.py`` starts them with the session's first test and runs this module's tests last, so the runs
     use the cores the rest of the suite leaves idle instead of the suite waiting for them."""
     outs = {0: tmp_path_factory.mktemp("demo")} | {seed: tmp_path_factory.mktemp(f"demo_seed{seed}")
