@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     windows, window = (int(n) for n in args.canary.split("x")) if args.canary else (WINDOWS, 128)
     ids = (np.random.default_rng(0).integers(0, model.config.vocab_size, windows * window) if args.canary
            else canary.windows.reshape(-1))
+    # the model's rotary positions are computed, not looked up in a table: a longer context is the same model
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, window)
     packages = {"after": atlas_tracking}
     if args.before:
         packages = {"before": import_renamed(renamed_package_at(args.before, Path(tempfile.mkdtemp()), HERE.parent)),

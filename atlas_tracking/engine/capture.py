@@ -38,7 +38,7 @@ from atlas_tracking.receipts.drift import (
 )
 from atlas_tracking.receipts.field_chunk import random_distance
 from atlas_tracking.receipts.geometry import angular, tangent_project
-from atlas_tracking.receipts.occupancy import cell_keys, count_cells, window_loads
+from atlas_tracking.receipts.occupancy import cell_keys, count_cells, sorted_cell_keys, window_loads
 from atlas_tracking.receipts.sketch import project
 from atlas_tracking.receipts.state1 import (
     NEAR_TIE_DTYPES,
@@ -257,12 +257,13 @@ class LayerAccumulator:
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         """What the host reads of this layer, still on the device (``engine/transfer.py`` copies a gate's at once):
-        the per-window arrays, the stacked sums and counts, and the active-set keys of every kept token."""
+        the per-window arrays, the stacked sums and counts, and the active-set keys of every kept token, in order."""
         return {
             **self.arrays,
             "sums": torch.cat([self.sums, *(d[0] for d in self.drift.values())]),
             "counts": torch.cat([self.counts, *(d[1] for d in self.drift.values())]),
-            "cell_keys": torch.cat(self.cells) if self.cells else torch.zeros(0, dtype=torch.int64, device=self.device),
+            "cell_keys": (sorted_cell_keys(torch.cat(self.cells)) if self.cells
+                          else torch.zeros(0, dtype=torch.int64, device=self.device)),
         }
 
     def from_host(self, read: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -347,7 +347,7 @@ def build_report(
     per_window: dict[str, Any] = {
         "canary_nll": _window_sums(partials, owned, "nll"),
         "layers": [host_per_window(h, rcfg.boundary_deltas) for h in merged],
-        "cell_counts": [np.sort(h["cells"][1])[::-1].tolist() for h in merged],
+        "cell_counts": [np.sort(h["cells"][1])[::-1] for h in merged],
     }
     if partials[0]["kl_sum"] is not None:
         per_window["kl_base"] = _window_sums(partials, owned, "kl")

@@ -91,16 +91,37 @@ def cell_keys(active: torch.Tensor, n_experts: int) -> torch.Tensor:
     return (rows * powers).sum(dim=1)
 
 
-def count_cells(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct active-set keys (from :func:`cell_keys`, read back to the host) and how many tokens visited each
-    (counted on the host: on the device the number of distinct keys would be a host synchronisation of its own).
+def sorted_cell_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Active-set keys (:func:`cell_keys`) in order, on their device: integer keys ascending, rows lexicographically
+    (stable sorts from the last column to the first), so that the host counts the cells in one pass over them.
 
-    >>> keys, counts = count_cells(np.array([7, 3, 7]))
-    >>> keys.tolist(), counts.tolist()
-    ([3, 7], [1, 2])
+    >>> sorted_cell_keys(torch.tensor([7, 3, 7])).tolist()
+    [3, 7, 7]
+    >>> sorted_cell_keys(torch.tensor([[1, 5], [0, 9], [1, 2]])).tolist()
+    [[0, 9], [1, 2], [1, 5]]
     """
     if keys.ndim == 1:
-        distinct, counts = np.unique(keys, return_counts=True)
-    else:
-        distinct, counts = np.unique(keys, axis=0, return_counts=True)
-    return distinct, counts.astype(np.int64)
+        return torch.sort(keys).values
+    order = torch.arange(len(keys), device=keys.device)
+    for column in range(keys.shape[1] - 1, -1, -1):
+        order = order.index_select(0, torch.sort(keys[:, column].index_select(0, order), stable=True).indices)
+    return keys.index_select(0, order)
+
+
+def count_cells(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct active-set keys and how many tokens visited each, from every token's key in order
+    (:func:`sorted_cell_keys`, read back to the host): the runs of equal keys (counted on the host: on the device the
+    number of distinct keys would be a host synchronisation of its own).
+
+    >>> keys, counts = count_cells(np.array([3, 7, 7]))
+    >>> keys.tolist(), counts.tolist()
+    ([3, 7], [1, 2])
+    >>> keys, counts = count_cells(np.array([[0, 9], [1, 2], [1, 2]]))
+    >>> keys.tolist(), counts.tolist()
+    ([[0, 9], [1, 2]], [1, 2])
+    """
+    if len(keys) == 0:
+        return keys[:0], np.zeros(0, dtype=np.int64)
+    differs = keys[1:] != keys[:-1]
+    starts = np.flatnonzero(np.concatenate([[True], differs if keys.ndim == 1 else differs.any(axis=1)]))
+    return keys[starts], np.diff(np.append(starts, len(keys))).astype(np.int64)

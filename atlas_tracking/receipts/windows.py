@@ -214,7 +214,7 @@ def median_samples(per_window_values: list[list[float]], idx: np.ndarray) -> tup
     return float(np.median(flat)), np.where(total > 0, 0.5 * (flat[lower] + flat[upper]), np.nan)
 
 
-def layers_receipts(per_window: list[dict[str, Any]], cell_counts: list[list[int]], n_tokens: int, beta_pi: float,
+def layers_receipts(per_window: list[dict[str, Any]], cell_counts: list[Any], n_tokens: int, beta_pi: float,
                     idx: np.ndarray, level: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """All per-window-derived receipts of each layer of a gate (its ``per_window`` dict and ``cell_counts``):
     occupancy, ratios, boundary mass, near-tie shares, the transition median, alignment and the V2 axes, with their

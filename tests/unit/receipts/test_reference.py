@@ -202,7 +202,8 @@ def test_occupancy_cells_and_overlap(seed):
         key = tuple(sorted(row.tolist()))
         ref[key] = ref.get(key, 0) + 1
     for n_experts in (n_exp, 2**40):  # integer keys, and sorted rows when E^k does not fit
-        cells, counts = occupancy.count_cells(occupancy.cell_keys(torch.tensor(active), n_experts).numpy())
+        keys = occupancy.cell_keys(torch.tensor(active), n_experts)
+        cells, counts = occupancy.count_cells(occupancy.sorted_cell_keys(keys).numpy())
         assert sorted(counts.tolist()) == sorted(ref.values()) and len(cells) == len(ref)
     cs = occupancy.cell_stats(np.array(list(ref.values())))
     mu = [c / n_tok for c in ref.values()]
