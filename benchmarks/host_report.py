@@ -1,14 +1,15 @@
 """What a gate computes on the host after its one read-back, before and after a change, in one process.
 
-``python benchmarks/host_report.py --before 93c3f7a`` writes ``benchmarks/host_report.json``: for the gate benchmarks'
-model (a freshly initialised Qwen3-MoE, ``--layers`` routed layers x 128 experts, k = 8, ``--width`` wide) and
-32 x 128-token canary (``--canary WxL``: random tokens in W windows of L), each package (this tree's, and with ``--before`` the package at that commit, imported under
-another name) measures one gate's partial on the device side once (``measure_partial``), then builds the report from
-it (``build_report``: merging, the self-check's summary, the window bootstrap of every receipt) and, for a gate
-against a baseline of the same weights, derives its drift (``attach_drift``: drift functionals, paired deltas,
-lifecycle margins), the packages' passes interleaved; CPU seconds, the medians of ``--repeats``, also per routed
-layer, and whether the two packages' reports and drift sections are the same JSON. This part of a gate does not
-depend on the device the gate ran on. One torch thread, one BLAS thread (as a gate's derivation runs).
+``python benchmarks/host_report.py --before 93c3f7a`` writes ``benchmarks/host_report.json``: for the gate
+benchmarks' model (a freshly initialised Qwen3-MoE, ``--layers`` routed layers x 128 experts, k = 8, ``--width``
+wide) and 32 x 128-token canary (``--canary WxL``: random tokens in W windows of L), each package (this tree's, and
+with ``--before`` the package at that commit, imported under another name) measures one gate's partial on the device
+side once (``measure_partial``), then builds the report from it (``build_report``: merging, the self-check's
+summary, the window bootstrap of every receipt) and, for a gate against a baseline of the same weights, derives its
+drift (``attach_drift``: drift functionals, paired deltas, lifecycle margins), the packages' passes interleaved; CPU
+seconds, the medians of ``--repeats``, also per routed layer, and whether the two packages' reports and drift
+sections are the same JSON. This part of a gate does not depend on the device the gate ran on. One torch thread, one
+BLAS thread (as a gate's derivation runs).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--canary", default=None, metavar="WxL",
-                    help="a canary of W windows of L tokens drawn at random (seed 0) instead of the benchmarks' 32 x 128 of "
-                         "the demo text: the host part grows with the windows and the boundary tokens")
+                    help="a canary of W windows of L tokens drawn at random (seed 0) instead of the benchmarks' "
+                         "32 x 128 of the demo text: the host part grows with the windows and the boundary tokens")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=str(HERE / "host_report.json"))
     args = ap.parse_args(argv)

@@ -164,6 +164,7 @@ def alignment_receipts(entry: dict[str, Any], load: Any, idx: np.ndarray, level:
 
 
 _LAYER_FIGURES = ("alignment_median", "alignment_p10", "alignment_negative")
+"""A layer's figures over its experts' alignments, each with a window-bootstrap CI."""
 
 
 def alignment_receipts_of(entries: list[dict[str, Any]], loads: list[Any], idx: np.ndarray, level: float
@@ -193,7 +194,8 @@ def alignment_receipts_of(entries: list[dict[str, Any]], loads: list[Any], idx: 
         values["alignment_dead"] = [int(e) for e in np.flatnonzero(counts.sum(0) == 0)]
         values["alignment_zero_rows"] = int((row_norm == 0).sum())
         out.append(values)
-    bounds = percentile_cis(np.concatenate(samples, axis=1), level).reshape(-1, len(_LAYER_FIGURES), 2) if samples else []
+    bounds = (percentile_cis(np.concatenate(samples, axis=1), level).reshape(-1, len(_LAYER_FIGURES), 2) if samples
+              else [])
     return [(values, {name: [_f(lo), _f(hi)] for name, (lo, hi) in zip(_LAYER_FIGURES, layer)})
             for values, layer in zip(out, bounds)]
 
