@@ -237,9 +237,8 @@ def layers_receipts(per_window: list[dict[str, Any]], cell_counts: list[Any], n_
                                                          [per_window[i]["load"] for i in aligned], idx, level)))
     jumps = [i for i, pw in enumerate(per_window) if "transition_jump" in pw]
     medians = [median_samples(per_window[i]["transition_jump"], idx) for i in jumps]
-    median_cis = dict(zip(jumps, percentile_cis(np.column_stack([m[1] for m in medians]), level).tolist()
-                          if medians else []))
-    medians_of = dict(zip(jumps, (m[0] for m in medians)))
+    bounds = percentile_cis(np.column_stack([samples for _, samples in medians]), level).tolist() if medians else []
+    transition = {i: (est, ci) for i, (est, _), ci in zip(jumps, medians, bounds)}  # each layer's median and CI
     out = []
     for i, (pw, cells) in enumerate(zip(per_window, cell_counts)):
         values, cis = next(ratios)
@@ -252,9 +251,9 @@ def layers_receipts(per_window: list[dict[str, Any]], cell_counts: list[Any], n_
         p_mass = np.asarray(pw["p_mass_total"], dtype=np.float64)
         values.update(occupancy_from_loads(loads.sum(axis=0), n_tokens, p_mass, beta_pi))
         values.update(cell_stats(np.asarray(cells, dtype=np.int64)))
-        if i in medians_of:
-            values["transition_incompat"] = _f(medians_of[i])
-            cis["transition_incompat"] = [_f(v) for v in median_cis[i]]
+        if i in transition:
+            est, ci = transition[i]
+            values["transition_incompat"], cis["transition_incompat"] = _f(est), [_f(v) for v in ci]
         for key in COUNTERS:
             if key in pw:
                 values[key] = int(np.sum(pw[key]))
